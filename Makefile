@@ -1,0 +1,31 @@
+# make demo: install into .venv, prepare the stdlib corpus, train a tiny model with each FFN, report.
+# make test: the test suite (what CI runs).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# A CPU build on machines without CUDA; GPU users: make venv TORCH_SPEC="torch==2.11.0" (or any CUDA
+# build >= 2.6 from your index), or install requirements.txt into an environment that has torch.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR ?= runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
+
+.PHONY: venv demo test clean-venv
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+demo: venv
+	$(PY) scripts/prepare_data.py +experiment=demo
+	$(PY) train.py -m ffn=swiglu,srelu,srelu24 +experiment=demo hydra.sweep.dir=$(DEMO_DIR)
+	$(PY) scripts/compare.py $(DEMO_DIR)
+
+test: venv
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,156 @@
+"""A Llama-style decoder: pre-RMSNorm, RoPE, causal SDPA attention (GQA optional), no biases,
+untied embeddings by default. With ffn=swiglu it is numerically Llama: every weight maps 1:1
+onto Hugging Face's LlamaForCausalLM (see HF_NAMES).
+
+Initialisation (`Transformer.reset_parameters`):
+- every Linear and the token embedding: normal(0, init_std), init_std = 0.02 by default;
+- the two projections that write into the residual stream (attention `wo`, FFN `w2`):
+  normal(0, init_std / sqrt(2 * n_layers)), so the residual's variance does not grow with
+  depth (GPT-2, torchtitan);
+- RMSNorm weights: 1.
+The same rule holds for all three FFN variants, so they start from comparable scales.
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import FFNConfig, FFNKind, ModelConfig, ffn_hidden_dim
+from .ffn import SReLU24, build_ffn
+from .sparse24 import Sparse24Recipe
+
+
+class RMSNorm(nn.Module):
+    """As in HF Llama: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)  # HF's "rotate_half" layout
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, H, S, hd]; cos/sin: [S, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.n_kv_heads != self.n_heads
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, ffn: FFNConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        recipe = Sparse24Recipe(ffn.token_permutation, ffn.dense_feature_fraction, ffn.reuse_forward_mask)
+        self.feed_forward = build_ffn(FFNKind(ffn.kind), cfg.dim, ffn_hidden_dim(cfg, ffn), recipe)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ffn: FFNConfig, vocab_size: int):
+        super().__init__()
+        if cfg.dim % cfg.n_heads:
+            raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
+        if cfg.n_kv_heads and cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.n_kv_heads}")
+        self.cfg, self.ffn_cfg, self.vocab_size = cfg, ffn, vocab_size
+        self.tok_embeddings = nn.Embedding(vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, ffn) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, 0.0, residual_std)
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def set_sparse24(self, active: bool) -> None:
+        """Switch the srelu24 FFNs between the dense warmup and 2:4 (no-op for other FFNs)."""
+        for m in self.modules():
+            if isinstance(m, SReLU24):
+                m.sparse = active
+
+    def forward(self, tokens: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        """Logits [B, S, V], or the mean cross-entropy when targets are given."""
+        S = tokens.shape[1]
+        if S > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+# Our parameter names -> Hugging Face LlamaForCausalLM's ({i}: layer index).
+HF_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}

@@ -1,0 +1,54 @@
+"""Shared test helpers: run train.py in a subprocess, compose configs, tiny corpora."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
+
+
+def compose_config(overrides: list[str]):
+    from training.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def to_object(dcfg):
+    return OmegaConf.to_object(dcfg)
+
+
+def run_train(args: list[str], cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_corpus(root: Path, n_files: int = 40) -> Path:
+    """A small Python-like corpus: enough text for a 512-token BPE and a few hundred windows."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_files):
+        body = "\n".join(
+            f"def function_{i}_{j}(value, other={j}):\n"
+            f"    \"\"\"Return value plus {j} times other, for file {i}.\"\"\"\n"
+            f"    result = value + {j} * other\n"
+            f"    if result > {i * j}:\n        return result - {i}\n    return result\n"
+            for j in range(30))
+        (root / f"module_{i:03d}.py").write_text(f"import os\n\n{body}\n")
+    return root
+
+
+def tiny_overrides(tmp: Path, corpus: Path, extra: list[str] = ()) -> list[str]:
+    """A fast CPU run: micro model, stdlib source limited to `corpus`, shards under tmp."""
+    return [f"hydra.run.dir={tmp / 'run'}", "data.include_stdlib=false", f"data.roots=[{corpus}]",
+            "data.vocab_size=512", f"data.cache_dir={tmp / 'cache'}", "data.val_fraction=0.1",
+            "model.dim=64", "model.n_layers=2", "model.n_heads=2", "model.swiglu_hidden=128",
+            "model.max_seq_len=64", "trainer.seq_len=32", "trainer.batch_size=8", "trainer.micro_batch_size=4",
+            "trainer.max_steps=8", "trainer.eval_every=4", "trainer.eval_batches=2", "trainer.log_every=1",
+            "trainer.ckpt_every=4", "trainer.progress=false", "trainer.num_threads=1",
+            "optim.warmup_steps=2", "optim.lr=3e-3", "logging.wandb.mode=disabled", *extra]

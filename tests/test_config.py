@@ -1,0 +1,98 @@
+"""Config composition and the start-up errors a user sees for bad settings."""
+import pytest
+
+from helpers import EXPERIMENTS, compose_config, run_train, to_object
+from model.config import FFNKind, ffn_hidden_dim
+
+
+def test_experiment_list_is_complete():
+    want = {"demo"} | {f"{v}_{s}" for v in ("swiglu", "srelu", "sparse") for s in ("125m", "1b", "7b")}
+    assert want <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes(experiment):
+    cfg = to_object(compose_config([f"+experiment={experiment}"]))
+    assert cfg.name == experiment
+    if experiment != "demo":
+        variant, scale = experiment.split("_")
+        assert cfg.ffn.kind == {"swiglu": FFNKind.swiglu, "srelu": FFNKind.srelu, "sparse": FFNKind.srelu24}[variant]
+        assert cfg.model.name == scale
+        # each experiment states its budget, batch, sequence length and learning rate
+        assert cfg.trainer.total_tokens > 0 and cfg.trainer.batch_size > 0 and cfg.optim.lr > 0
+        assert cfg.trainer.batch_size % cfg.trainer.micro_batch_size == 0
+
+
+@pytest.mark.parametrize("ffn", ["swiglu", "srelu", "srelu24"])
+def test_command_line_ffn_wins_over_demo(ffn):
+    cfg = to_object(compose_config([f"ffn={ffn}", "+experiment=demo"]))
+    assert cfg.ffn.kind.value == ffn
+
+
+def test_sparse_7b_is_llama2_7b_shaped_srelu24():
+    cfg = to_object(compose_config(["+experiment=sparse_7b"]))
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads) == (4096, 32, 32)
+    assert cfg.ffn.kind == FFNKind.srelu24 and ffn_hidden_dim(cfg.model, cfg.ffn) == 16512
+    assert cfg.ffn.dense_feature_fraction == 0.05 and cfg.ffn.token_permutation and cfg.ffn.reuse_forward_mask
+
+
+def test_recipe_switches_are_settable():
+    cfg = to_object(compose_config(["+experiment=sparse_125m", "ffn.token_permutation=false",
+                                    "ffn.reuse_forward_mask=false", "ffn.dense_warmup_steps=0",
+                                    "ffn.dense_feature_fraction=0.1"]))
+    f = cfg.ffn
+    assert (f.token_permutation, f.reuse_forward_mask, f.dense_warmup_steps, f.dense_feature_fraction) == (
+        False, False, 0, 0.1)
+
+
+def test_cfg_job_prints_composed_config():
+    r = run_train(["+experiment=sparse_7b", "--cfg", "job"])
+    assert r.returncode == 0, r.stderr
+    assert "kind: srelu24" in r.stdout and "dim: 4096" in r.stdout
+
+
+def test_dry_run_prints_sizes_without_allocating(tmp_path):
+    r = run_train(["+experiment=sparse_7b", "trainer.dry_run=true", "model.vocab_size=32000",
+                   f"hydra.run.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr
+    assert "6,476,271,616" in r.stdout  # non-embedding parameters of Llama-2-7B shapes (srelu hidden 16512)
+    assert "6,738,415,616" in r.stdout  # total with a 32000 vocabulary
+    assert "FLOPs per token" in r.stdout
+
+
+# Bad input: one clear line, non-zero exit.
+def test_unknown_ffn_lists_valid_options():
+    r = run_train(["ffn=gelu", "trainer.dry_run=true"])
+    assert r.returncode != 0
+    assert "ffn/gelu" in r.stderr
+    for option in ("swiglu", "srelu", "srelu24"):
+        assert option in r.stderr
+
+
+def test_misspelt_key_fails_at_start():
+    r = run_train(["trainer.seq_lenn=128", "trainer.dry_run=true"])
+    assert r.returncode != 0 and "seq_lenn" in r.stderr
+
+
+def test_wrong_type_fails_at_start():
+    r = run_train(["trainer.seq_len=long", "trainer.dry_run=true"])
+    assert r.returncode != 0 and "seq_len" in r.stderr
+
+
+def test_bad_enum_value_lists_valid_values():
+    r = run_train(["ffn.kind=gelu", "trainer.dry_run=true"])
+    assert r.returncode != 0 and "srelu24" in r.stderr
+
+
+def test_srelu24_hidden_size_it_cannot_take(tmp_path):
+    r = run_train(["ffn=srelu24", "ffn.hidden_dim=1000", "trainer.dry_run=true", f"hydra.run.dir={tmp_path}"])
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [lines[-1]] and "ffn.hidden_dim" in lines[-1] and "multiple of 64" in lines[-1]
+    assert "960" in lines[-1] and "1024" in lines[-1]
+
+
+def test_batch_not_divisible_by_micro_batch(tmp_path):
+    r = run_train(["trainer.batch_size=10", "trainer.micro_batch_size=4", "trainer.dry_run=true",
+                   f"hydra.run.dir={tmp_path}"])
+    assert r.returncode == 2 and "trainer.batch_size=10" in r.stderr

@@ -1,0 +1,36 @@
+"""Train a Llama-style transformer with a SwiGLU, Squared-ReLU or 2:4-sparse Squared-ReLU FFN.
+
+    python train.py +experiment=demo ffn=srelu24          # one run
+    python train.py -m ffn=swiglu,srelu,srelu24 +experiment=demo   # a sweep, one job per variant
+    python train.py +experiment=sparse_7b --cfg job       # print the composed config
+    python train.py +experiment=sparse_7b trainer.dry_run=true     # sizes and FLOPs, nothing allocated
+"""
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from data.errors import DataError
+from training.config import register_configs
+from training.errors import CheckpointError, ConfigError
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from training.loop import train  # after Hydra has parsed the command line: --help stays fast
+
+    hc = HydraConfig.get()
+    run_name = hc.job.override_dirname or cfg.name
+    try:
+        train(cfg, Path(hc.runtime.output_dir), run_name)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Loop pieces: config schema, optimizer and schedule, checkpoints, logging, the loop."""

@@ -1,0 +1,90 @@
+"""The config schema: one dataclass per group, registered in Hydra's ConfigStore, so a
+misspelt key or a wrong type fails at start-up with Hydra's message. The YAML files in
+configs/ fill these in; experiments override them."""
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from data.config import DataConfig
+from model.config import FFNConfig, ModelConfig
+
+
+class Schedule(str, Enum):
+    cosine = "cosine"      # linear warmup, cosine decay to min_lr_ratio * lr
+    wsd = "wsd"            # linear warmup, constant, linear decay over the last decay_fraction
+    constant = "constant"  # linear warmup, then constant
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1   # matrices only; norms and embeddings are not decayed
+    grad_clip: float = 1.0      # max global grad norm; 0 disables
+    schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # wsd only
+    fused: Optional[bool] = None  # None: fused AdamW on CUDA
+
+
+@dataclass
+class TrainerConfig:
+    seed: int = 1337
+    seq_len: int = 256
+    batch_size: int = 16         # global batch, in sequences
+    micro_batch_size: int = 16   # per rank and forward pass; accumulation makes up the rest
+    total_tokens: int = 10_000_000  # token budget: steps = total_tokens / (batch_size * seq_len)
+    max_steps: int = -1          # > 0: use this many steps instead of the token budget
+    stop_at_step: int = -1       # > 0: stop (with a checkpoint) at this step; the schedule is unchanged
+    eval_every: int = 200
+    eval_batches: int = 8        # a fixed validation subset of eval_batches * micro_batch_size windows
+    log_every: int = 10
+    ckpt_every: int = 500
+    resume: str = "none"         # none | auto (the latest valid checkpoint in the run dir) | a path
+    device: str = "auto"         # auto | cpu | cuda | cuda:N
+    precision: str = "auto"      # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+    compile: bool = False
+    dry_run: bool = False        # build on the meta device, print sizes and FLOPs, exit
+    progress: bool = True
+    num_threads: int = 0         # CPU threads for torch; 0 leaves torch's default
+
+
+class WandbMode(str, Enum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = WandbMode.offline
+    project: str = "sparse24"
+    entity: Optional[str] = None
+    group: Optional[str] = None   # None: the experiment's name
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    name: str = "default"  # the experiment's name: wandb group, run directory
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register_configs() -> None:
+    """configs/config.yaml lists `schema` first, so every group's YAML merges into a typed node."""
+    ConfigStore.instance().store(name="schema", node=Config)

@@ -1,0 +1,82 @@
+"""Where metrics go: <run_dir>/metrics.jsonl (the source of truth for scripts) and wandb
+(offline by default, one run per job)."""
+import json
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Optional
+
+from .config import WandbConfig, WandbMode
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, wandb_cfg: WandbConfig, *, name: str, group: str, job_type: str,
+                 config: dict, resumed: bool):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a" if resumed else "w", buffering=1)
+        self._wandb = None
+        if wandb_cfg.mode != WandbMode.disabled:
+            import wandb  # slow to import; only when used
+
+            self._wandb = wandb.init(
+                project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group or group,
+                name=name, job_type=job_type, tags=list(wandb_cfg.tags), config=config,
+                dir=str(run_dir), mode=wandb_cfg.mode.value, resume="allow" if resumed else None,
+                id=_wandb_id(run_dir), settings=wandb.Settings(console="off", quiet=True))
+            # tokens seen is the x-axis of every chart, so runs of different batch sizes line up
+            self._wandb.define_metric("tokens")
+            self._wandb.define_metric("*", step_metric="tokens")
+
+    def log(self, metrics: dict) -> None:
+        self._file.write(json.dumps(metrics) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(metrics)
+
+    def summary(self, values: dict) -> None:
+        if self._wandb is not None:
+            self._wandb.summary.update(values)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """One wandb run per run directory, kept across resumes."""
+    f = run_dir / "wandb_id.txt"
+    if f.exists():
+        return f.read_text().strip()
+    import wandb
+
+    run_id = wandb.util.generate_id()
+    f.write_text(run_id)
+    return run_id
+
+
+def environment() -> dict:
+    """What produced a run: git SHA, dirty flag and package versions."""
+    import torch
+
+    root = Path(__file__).resolve().parent.parent
+    env = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for pkg in ("triton", "hydra-core", "datasets", "tokenizers", "wandb", "numpy"):
+        try:
+            env[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    env["git_sha"] = _git(root, "rev-parse", "HEAD")
+    env["git_dirty"] = bool(_git(root, "status", "--porcelain"))
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def _git(root: Path, *args: str) -> Optional[str]:
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - not a git checkout
+        return None

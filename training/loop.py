@@ -1,0 +1,188 @@
+"""The training loop. One step, top to bottom: sparsity switch -> LR -> micro-batches
+(forward, backward) -> clip -> AdamW -> log / eval / checkpoint."""
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from data.loader import TokenLoader
+from data.shards import prepare
+from model import FFNKind, Transformer, ffn_hidden_dim, model_size
+
+from .checkpoint import (check_model_shape, find_resume_checkpoint, model_shape, rng_state, save_checkpoint,
+                         set_rng_state)
+from .config import Config
+from .errors import ConfigError
+from .logger import RunLogger, environment
+from .optim import build_optimizer, lr_at
+from .validate import resolve_vocab_size, total_steps, validate
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
+    cfg: Config = OmegaConf.to_object(dcfg)
+    validate(cfg)
+    if cfg.trainer.dry_run:
+        return dry_run(cfg)
+    t, device = cfg.trainer, pick_device(cfg.trainer.device)
+    torch.manual_seed(t.seed)
+    if t.num_threads > 0:
+        torch.set_num_threads(t.num_threads)
+
+    shard_dir, manifest = prepare(cfg.data, REPO_ROOT, progress=t.progress)
+    vocab_size = resolve_vocab_size(cfg.model, manifest.vocab_size)
+    model = Transformer(cfg.model, cfg.ffn, vocab_size).to(device)
+    size = model_size(model, t.seq_len)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    accum = t.batch_size // t.micro_batch_size
+    steps = total_steps(t)
+    tokens_per_step = t.batch_size * t.seq_len
+    loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed)
+    val_batches = TokenLoader(shard_dir, manifest, "val", t.seq_len, t.micro_batch_size, t.seed).fixed_batches(t.eval_batches)
+
+    start = 0
+    resumed = find_resume_checkpoint(t.resume, run_dir)
+    if resumed is not None:
+        path, state = resumed
+        check_model_shape(path, state, model)
+        check_same_data(path, state, manifest)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        start = state["step"]
+        print(f"resumed from {path} at step {start}")
+
+    resolved = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
+    info = {"vocab_size": vocab_size, "ffn_hidden": ffn_hidden_dim(cfg.model, cfg.ffn), "total_steps": steps,
+            "grad_accum": accum, "tokens_per_step": tokens_per_step, "device": str(device),
+            "params": asdict(size), "flops_per_token": size.flops_per_token, "shard_dir": str(shard_dir),
+            "environment": environment()}
+    (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
+    (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+    logger = RunLogger(run_dir, cfg.logging.wandb, name=run_name, group=cfg.name, job_type=cfg.ffn.kind.value,
+                       config={**resolved, "run_info": info}, resumed=start > 0)
+
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16(t.precision, device)
+                else nullcontext())
+    forward = torch.compile(model) if t.compile else model
+    is_sparse = cfg.ffn.kind == FFNKind.srelu24
+
+    def checkpoint(done: int) -> None:
+        save_checkpoint(run_dir, done, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
+            "rng": rng_state(), "model_shape": model_shape(model), "config": resolved,
+            "data": {"tokenizer_sha256": manifest.tokenizer_sha256, "vocab_size": manifest.vocab_size}})
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad(), autocast:
+            losses = [forward(x.to(device), y.to(device)) for x, y in val_batches]
+        model.train()
+        return torch.stack(losses).mean().item()
+
+    last = {"time": time.perf_counter(), "step": start}
+    val_loss = train_loss = float("nan")
+    bar = tqdm(total=steps, initial=start, disable=not t.progress, desc=f"{cfg.name}/{cfg.ffn.kind.value}",
+               unit="step", dynamic_ncols=True)
+    for step in range(start, steps):
+        model.set_sparse24(is_sparse and step >= cfg.ffn.dense_warmup_steps)
+        lr = lr_at(step, steps, cfg.optim)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(accum):
+            x, y = loader.next_batch()
+            with autocast:
+                loss = forward(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        done = step + 1
+        bar.update(1)
+        metrics = {}
+        if done % t.log_every == 0 or done == steps:
+            train_loss = (loss_sum / accum).item()  # the only host sync of a step
+            now = time.perf_counter()
+            tok_s = (done - last["step"]) * tokens_per_step / (now - last["time"])
+            last.update(time=now, step=done)
+            metrics.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), tokens_per_s=tok_s,
+                           sparse24=int(is_sparse and step >= cfg.ffn.dense_warmup_steps))
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}")
+        if done % t.eval_every == 0 or done == steps:
+            val_loss = evaluate()
+            metrics["val_loss"] = val_loss
+            last["time"] = time.perf_counter()  # evaluation is not training throughput
+        if metrics:
+            logger.log({"step": done, "tokens": done * tokens_per_step, **metrics})
+        if done % t.ckpt_every == 0 or done == steps or done == t.stop_at_step:
+            checkpoint(done)
+        if done == t.stop_at_step:
+            bar.close()
+            print(f"stopped at step {done} (trainer.stop_at_step); continue with trainer.resume=auto "
+                  f"hydra.run.dir={run_dir}")
+            break
+    bar.close()
+    summary = {"final_train_loss": train_loss, "final_val_loss": val_loss, "steps": steps,
+               "tokens": steps * tokens_per_step, "ln_vocab": math.log(vocab_size)}
+    logger.summary(summary)
+    logger.close()
+    return summary
+
+
+def check_same_data(path: Path, state: dict, manifest) -> None:
+    from .errors import CheckpointError
+
+    have = state.get("data", {})
+    if have.get("tokenizer_sha256") != manifest.tokenizer_sha256 or have.get("vocab_size") != manifest.vocab_size:
+        raise CheckpointError(
+            f"checkpoint {path} was trained on tokenizer {str(have.get('tokenizer_sha256'))[:12]} "
+            f"(vocab {have.get('vocab_size')}) but the data uses tokenizer {manifest.tokenizer_sha256[:12]} "
+            f"(vocab {manifest.vocab_size}); point data.* at the checkpoint's shards")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu or auto")
+    return device
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def dry_run(cfg: Config) -> dict:
+    """Build on the meta device (nothing allocated) and print the sizes and FLOPs."""
+    vocab = cfg.model.vocab_size or cfg.data.vocab_size
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.ffn, vocab)
+    s = model_size(model, cfg.trainer.seq_len)
+    steps = total_steps(cfg.trainer)
+    tokens = steps * cfg.trainer.batch_size * cfg.trainer.seq_len
+    rows = [("model", f"{cfg.model.name}, ffn={cfg.ffn.kind.value} (hidden {ffn_hidden_dim(cfg.model, cfg.ffn)})"),
+            ("vocabulary", f"{vocab}" + ("" if cfg.model.vocab_size else " (data.vocab_size)")),
+            ("parameters, total", f"{s.total:,}"),
+            ("parameters, non-embedding", f"{s.non_embedding:,}"),
+            ("parameters, embedding / LM head", f"{s.embedding:,} / {s.output:,}"),
+            ("FLOPs per token, training (6N + 12LdS)", f"{s.flops_per_token:.4g}"),
+            ("FLOPs per token, forward", f"{s.forward_flops_per_token:.4g}"),
+            ("steps x tokens per step", f"{steps:,} x {cfg.trainer.batch_size * cfg.trainer.seq_len:,}"),
+            ("training FLOPs for the budget", f"{s.flops_per_token * tokens:.4g}")]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    return {"params_total": s.total, "params_non_embedding": s.non_embedding, "flops_per_token": s.flops_per_token}
