@@ -101,13 +101,17 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.dim // cfg.n_heads), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.dim // cfg.n_heads), persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Initialise every weight, and the RoPE tables (buffers that checkpoints do not hold),
+        so a model built on the meta device and materialised with to_empty() is complete."""
+        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
@@ -136,7 +140,7 @@ class Transformer(nn.Module):
         logits = self.output(self.norm(h))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 # Our parameter names -> Hugging Face LlamaForCausalLM's ({i}: layer index).

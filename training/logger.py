@@ -1,6 +1,7 @@
 """Where metrics go: <run_dir>/metrics.jsonl (the source of truth for scripts) and wandb
 (offline by default, one run per job)."""
 import json
+import secrets
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -49,9 +50,7 @@ def _wandb_id(run_dir: Path) -> str:
     f = run_dir / "wandb_id.txt"
     if f.exists():
         return f.read_text().strip()
-    import wandb
-
-    run_id = wandb.util.generate_id()
+    run_id = secrets.token_hex(4)  # wandb ids: [a-z0-9]
     f.write_text(run_id)
     return run_id
 
