@@ -2,15 +2,27 @@
 `ffn.kind` onto them. Weight names follow Llama (w1 gate/in, w2 out, w3 up)."""
 import warnings
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
 from .config import FFNKind
-from .sparse24 import Sparse24Recipe, srelu24_ffn
+from .sparse24 import Sparse24Recipe, mask_2to4, srelu24_ffn
+from .stats import N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, sparse24_sums
 
 
-class SwiGLU(nn.Module):
+class FFN(nn.Module):
+    """Base: a device buffer of activation-statistics sums (model/stats.py), added to on
+    forward passes while `collect_stats` is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("stats", torch.zeros(N_SUMS, dtype=torch.float64), persistent=False)
+        self.collect_stats = False
+
+
+class SwiGLU(FFN):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -18,17 +30,26 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h = F.silu(self.w1(x)) * self.w3(x)
+        if self.collect_stats:
+            self.stats += dense_activation_sums(h.detach(), SWIGLU_ZERO_THRESHOLD)
+        return self.w2(h)
 
 
-class SReLU(nn.Module):
+class SReLU(FFN):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
+    def activation(self, x: Tensor) -> Tensor:
+        return F.relu(self.w1(x)).square()
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.relu(self.w1(x)).square())
+        a = self.activation(x)
+        if self.collect_stats:
+            self.stats += dense_activation_sums(a.detach())
+        return self.w2(a)
 
 
 class SReLU24(SReLU):
@@ -43,10 +64,15 @@ class SReLU24(SReLU):
         self.sparse = False
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.sparse:
-            return super().forward(x)
-        warn_reference_path_once()
-        return srelu24_ffn(x, self.w1.weight, self.w2.weight, self.recipe)
+        if self.sparse:
+            warn_reference_path_once()
+            return srelu24_ffn(x, self.w1.weight, self.w2.weight, self.recipe,
+                               self.stats if self.collect_stats else None)
+        a = self.activation(x)
+        if self.collect_stats:  # dense warmup: what 2:4 would drop
+            d = a.detach()
+            self.stats += sparse24_sums(d, mask_2to4(d), self.recipe.dense_feature_fraction, sparse=False)
+        return self.w2(a)
 
 
 def build_ffn(kind: FFNKind, dim: int, hidden: int, recipe: Sparse24Recipe) -> nn.Module:

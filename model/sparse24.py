@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .stats import sparse24_sums
+
 
 def mask_2to4(x: Tensor, dim: int = -1) -> Tensor:
     """Boolean mask keeping the 2 largest-magnitude values of every 4 consecutive ones
@@ -76,10 +78,12 @@ class Sparse24Recipe:
 
 class _SReLU24(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe):
+    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe, stats: Optional[Tensor]):
         z = x @ w1.t()
         a = F.relu(z).square()
         mask = mask_2to4(a)
+        if stats is not None:
+            stats += sparse24_sums(a, mask, recipe.dense_feature_fraction, sparse=True)
         y = (a * mask) @ w2.t()
         ctx.save_for_backward(x, w1, w2, z, mask)
         ctx.recipe = recipe
@@ -104,12 +108,14 @@ class _SReLU24(torch.autograd.Function):
         dense = densest_features(a24, r.dense_feature_fraction)
         dw2 = pick(dy).t() @ sparsify_tokens_2to4(pick(a24), dense)
         dw1 = sparsify_tokens_2to4(pick(dz), dense).t() @ pick(x).to(z.dtype)
-        return dx, dw1, dw2, None
+        return dx, dw1, dw2, None, None
 
 
-def srelu24_ffn(x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe) -> Tensor:
+def srelu24_ffn(x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe,
+                stats: Optional[Tensor] = None) -> Tensor:
     """Y = (mask24 * relu(X W1^T)^2) W2^T with the 2:4 backward of the recipe.
-    x: [..., d], w1: [F, d], w2: [d, F]."""
+    x: [..., d], w1: [F, d], w2: [d, F]. `stats`, if given, is a sums buffer (model/stats.py)
+    that the forward adds to."""
     shape = x.shape
-    y = _SReLU24.apply(x.reshape(-1, shape[-1]), w1, w2, recipe)
+    y = _SReLU24.apply(x.reshape(-1, shape[-1]), w1, w2, recipe, stats)
     return y.reshape(*shape[:-1], y.shape[-1])

@@ -128,6 +128,18 @@ class Transformer(nn.Module):
             if isinstance(m, SReLU24):
                 m.sparse = active
 
+    def collect_ffn_stats(self, enabled: bool) -> None:
+        """Have every FFN add activation statistics to its device buffer (model/stats.py)."""
+        for layer in self.layers:
+            layer.feed_forward.collect_stats = enabled
+
+    def pop_ffn_stats(self) -> Tensor:
+        """The per-layer sums [n_layers, N_SUMS] (still on the device), and reset them."""
+        sums = torch.stack([layer.feed_forward.stats.clone() for layer in self.layers])
+        for layer in self.layers:
+            layer.feed_forward.stats.zero_()
+        return sums
+
     def forward(self, tokens: Tensor, targets: Optional[Tensor] = None) -> Tensor:
         """Logits [B, S, V], or the mean cross-entropy when targets are given."""
         S = tokens.shape[1]

@@ -23,8 +23,8 @@ def to_object(dcfg):
     return OmegaConf.to_object(dcfg)
 
 
-def run_train(args: list[str], cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+def run_train(args: list[str], cwd: Path = ROOT, timeout: int = 600, env: dict = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -2,6 +2,7 @@
 (offline by default, one run per job)."""
 import json
 import secrets
+import socket
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -13,11 +14,11 @@ from .config import WandbConfig, WandbMode
 
 class RunLogger:
     def __init__(self, run_dir: Path, wandb_cfg: WandbConfig, *, name: str, group: str, job_type: str,
-                 config: dict, resumed: bool):
+                 config: dict, resumed: bool, rank: int = 0):
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a" if resumed else "w", buffering=1)
-        self._wandb = None
-        if wandb_cfg.mode != WandbMode.disabled:
+        self._wandb, self._history = None, {}
+        if wandb_cfg.mode != WandbMode.disabled and rank == 0:
             import wandb  # slow to import; only when used
 
             self._wandb = wandb.init(
@@ -29,10 +30,38 @@ class RunLogger:
             self._wandb.define_metric("tokens")
             self._wandb.define_metric("*", step_metric="tokens")
 
-    def log(self, metrics: dict) -> None:
-        self._file.write(json.dumps(metrics) + "\n")
-        if self._wandb is not None:
-            self._wandb.log(metrics)
+    def log(self, row: dict) -> None:
+        """One line of metrics.jsonl; in wandb, per-layer lists become one key per layer
+        (`act_sparsity/layer_03`), and at each evaluation one chart per statistic with a
+        line per layer plus a layers x tokens heatmap."""
+        self._file.write(json.dumps(row) + "\n")
+        if self._wandb is None:
+            return
+        flat = {k: v for k, v in row.items() if k != "layers"}
+        for stat, values in row.get("layers", {}).items():
+            flat.update({f"{stat}/layer_{i:02d}": v for i, v in enumerate(values)})
+            self._history.setdefault(stat, []).append((row["tokens"], values))
+        if "val_loss" in row and self._history:
+            flat.update(self._charts())
+        self._wandb.log(flat)
+
+    def _charts(self) -> dict:
+        import wandb
+
+        from .plots import close, layer_heatmap
+
+        charts = {}
+        for stat, hist in self._history.items():
+            xs = [t for t, _ in hist]
+            per_layer = [list(col) for col in zip(*(v for _, v in hist))]
+            charts[f"charts/{stat}"] = wandb.plot.line_series(
+                xs=xs, ys=per_layer, keys=[f"layer {i}" for i in range(len(per_layer))], title=stat, xname="tokens")
+        if "act_sparsity" in self._history:
+            hist = self._history["act_sparsity"]
+            fig = layer_heatmap([t for t, _ in hist], [v for _, v in hist], "activation sparsity per layer")
+            charts["charts/act_sparsity_heatmap"] = wandb.Image(fig)
+            close(fig)
+        return charts
 
     def summary(self, values: dict) -> None:
         if self._wandb is not None:
@@ -68,6 +97,7 @@ def environment() -> dict:
             pass
     env["git_sha"] = _git(root, "rev-parse", "HEAD")
     env["git_dirty"] = bool(_git(root, "status", "--porcelain"))
+    env["host"] = socket.gethostname()
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda

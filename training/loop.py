@@ -2,6 +2,7 @@
 (forward, backward) -> clip -> AdamW -> log / eval / checkpoint."""
 import json
 import math
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -14,12 +15,14 @@ from tqdm import tqdm
 from data.loader import TokenLoader
 from data.shards import prepare
 from model import FFNKind, Transformer, ffn_hidden_dim, model_size
+from model.stats import derive
 
 from .checkpoint import (check_model_shape, find_resume_checkpoint, model_shape, rng_state, save_checkpoint,
                          set_rng_state)
 from .config import Config
 from .errors import ConfigError
 from .logger import RunLogger, environment
+from .metrics import Throughput
 from .optim import build_optimizer, lr_at
 from .validate import resolve_vocab_size, total_steps, validate
 
@@ -47,7 +50,7 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
     loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed)
     val_batches = TokenLoader(shard_dir, manifest, "val", t.seq_len, t.micro_batch_size, t.seed).fixed_batches(t.eval_batches)
 
-    start = 0
+    start, elapsed0 = 0, 0.0
     resumed = find_resume_checkpoint(t.resume, run_dir)
     if resumed is not None:
         path, state = resumed
@@ -57,7 +60,7 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
-        start = state["step"]
+        start, elapsed0 = state["step"], state.get("elapsed_s", 0.0)
         print(f"resumed from {path} at step {start}")
 
     resolved = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
@@ -79,6 +82,7 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
         save_checkpoint(run_dir, done, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
             "rng": rng_state(), "model_shape": model_shape(model), "config": resolved,
+            "elapsed_s": meter.elapsed(),
             "data": {"tokenizer_sha256": manifest.tokenizer_sha256, "vocab_size": manifest.vocab_size}})
 
     def evaluate() -> float:
@@ -88,47 +92,59 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
         model.train()
         return torch.stack(losses).mean().item()
 
-    last = {"time": time.perf_counter(), "step": start}
+    meter = Throughput(device, size.flops_per_token, tokens_per_step, elapsed_offset=elapsed0)
     val_loss = train_loss = float("nan")
+    speeds, last_row = [], {}
     bar = tqdm(total=steps, initial=start, disable=not t.progress, desc=f"{cfg.name}/{cfg.ffn.kind.value}",
                unit="step", dynamic_ncols=True)
     for step in range(start, steps):
-        model.set_sparse24(is_sparse and step >= cfg.ffn.dense_warmup_steps)
+        done = step + 1
+        sparse_on = is_sparse and step >= cfg.ffn.dense_warmup_steps
+        model.set_sparse24(sparse_on)
+        log_now = done % t.log_every == 0 or done == steps
+        model.collect_ffn_stats(log_now)  # statistics of the logged step only: free on the others
         lr = lr_at(step, steps, cfg.optim)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
         loss_sum = torch.zeros((), device=device)
         for _ in range(accum):
+            t_data = time.perf_counter()
             x, y = loader.next_batch()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            meter.data_time(time.perf_counter() - t_data)
             with autocast:
-                loss = forward(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                loss = forward(x, y)
             (loss / accum).backward()
             loss_sum += loss.detach()
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-        done = step + 1
+        meter.step()
         bar.update(1)
-        metrics = {}
-        if done % t.log_every == 0 or done == steps:
-            train_loss = (loss_sum / accum).item()  # the only host sync of a step
-            now = time.perf_counter()
-            tok_s = (done - last["step"]) * tokens_per_step / (now - last["time"])
-            last.update(time=now, step=done)
-            metrics.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), tokens_per_s=tok_s,
-                           sparse24=int(is_sparse and step >= cfg.ffn.dense_warmup_steps))
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}")
+
+        row = {}
+        if log_now:
+            model.collect_ffn_stats(False)
+            train_loss = (loss_sum / accum).item()  # the one host sync, every log_every steps
+            row.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), **meter.read(), sparse24=int(sparse_on))
+            row["layers"] = derive(model.pop_ffn_stats().cpu(), is_sparse)
+            row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
         if done % t.eval_every == 0 or done == steps:
-            val_loss = evaluate()
-            metrics["val_loss"] = val_loss
-            last["time"] = time.perf_counter()  # evaluation is not training throughput
-        if metrics:
-            logger.log({"step": done, "tokens": done * tokens_per_step, **metrics})
+            meter.pause()
+            val_loss = row["val_loss"] = evaluate()
+            meter.resume()
+        if row:
+            logger.log({"step": done, "tokens": done * tokens_per_step, **row})
+            if "tokens_per_s" in row:
+                speeds.append(row["tokens_per_s"])
+                last_row = row
         if done % t.ckpt_every == 0 or done == steps or done == t.stop_at_step:
+            meter.pause()
             checkpoint(done)
+            meter.resume()
         if done == t.stop_at_step:
             bar.close()
             print(f"stopped at step {done} (trainer.stop_at_step); continue with trainer.resume=auto "
@@ -136,7 +152,13 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
             break
     bar.close()
     summary = {"final_train_loss": train_loss, "final_val_loss": val_loss, "steps": steps,
-               "tokens": steps * tokens_per_step, "ln_vocab": math.log(vocab_size)}
+               "tokens": steps * tokens_per_step, "ln_vocab": math.log(vocab_size),
+               "params_total": size.total, "params_non_embedding": size.non_embedding}
+    if speeds:
+        summary["tokens_per_s_median"] = statistics.median(speeds[1:] or speeds)  # the first interval warms up
+    for key in ("mfu", "mem_allocated_gib", "act_sparsity_mean"):
+        if key in last_row:
+            summary[f"final_{key}"] = last_row[key]
     logger.summary(summary)
     logger.close()
     return summary

@@ -1,0 +1,67 @@
+"""Per-layer activation statistics, summed on the device.
+
+An FFN whose `stats` buffer is enabled adds one row of sums per forward pass; nothing is
+read back until the trainer asks (every `log_every` steps), so a step never waits on the
+host. `derive` turns the sums into the logged fractions. Definitions:
+
+- act_sparsity: fraction of exact zeros in the activation that feeds W2 (for srelu24 in 2:4
+  mode, after the 2:4 selection). SwiGLU's activation silu(W1 x) * W3 x is almost never
+  exactly zero, so there a value counts as zero when |a| <= SWIGLU_ZERO_THRESHOLD.
+srelu24 only (also during the dense warmup, where they say what 2:4 *would* drop):
+- drop_nnz: fraction of the non-zeros of relu(Z)^2 that the 2:4 selection drops;
+- drop_l2: ||A - A24|| / ||A||, the relative L2 norm dropped;
+- dense_features: fraction of features whose density along tokens exceeds
+  DENSE_FEATURE_DENSITY (0.5): above it, 2:4 along tokens must drop values of that feature;
+- split_density: density along tokens of the least dense feature in the weight-gradient
+  dense split (the top `dense_feature_fraction`), i.e. the threshold that split applies;
+- sparse24: 1 when the layer runs 2:4, 0 in the dense warmup.
+"""
+import torch
+from torch import Tensor
+
+SWIGLU_ZERO_THRESHOLD = 1e-3
+DENSE_FEATURE_DENSITY = 0.5
+
+# Columns of the sums row.
+ELEMENTS, ZEROS, NNZ, DROPPED_NNZ, SQ, DROPPED_SQ, DENSE_FEATS, FEATURES, SPLIT_DENSITY, PASSES, SPARSE = range(11)
+N_SUMS = 11
+
+
+def dense_activation_sums(a: Tensor, threshold: float = 0.0) -> Tensor:
+    """Sums for a dense FFN's activation a [..., F]."""
+    zeros = (a == 0).sum() if threshold == 0 else (a.abs() <= threshold).sum()
+    row = torch.zeros(N_SUMS, dtype=torch.float64, device=a.device)
+    row[ELEMENTS], row[ZEROS], row[PASSES] = a.numel(), zeros, 1
+    return row
+
+
+def sparse24_sums(a: Tensor, mask: Tensor, dense_fraction: float, sparse: bool) -> Tensor:
+    """Sums for srelu24: a = relu(Z)^2 [..., F] before the 2:4 selection, mask its 2:4 mask."""
+    a = a.reshape(-1, a.shape[-1])
+    mask = mask.reshape(a.shape)
+    nz = a != 0
+    fed_nz = nz & mask if sparse else nz  # non-zeros of what feeds W2
+    density = fed_nz.sum(0, dtype=torch.float32) / a.shape[0]  # per feature, along tokens
+    k = max(1, int(round(dense_fraction * a.shape[1])))
+    sq = a.square()
+    f64 = lambda t: t.to(torch.float64)  # noqa: E731 - counts above 2^24 must stay exact
+    return torch.stack([
+        f64(torch.tensor(a.numel(), device=a.device)), f64(a.numel() - fed_nz.sum()),
+        f64(nz.sum()), f64((nz & ~mask).sum()),
+        f64(sq.sum(dtype=torch.float32)), f64((sq * ~mask).sum(dtype=torch.float32)),
+        f64((density > DENSE_FEATURE_DENSITY).sum()), f64(torch.tensor(a.shape[1], device=a.device)),
+        f64(density.topk(k).values[-1]), f64(torch.tensor(1, device=a.device)),
+        f64(torch.tensor(int(sparse), device=a.device))])
+
+
+def derive(sums: Tensor, sparse24: bool) -> dict[str, list[float]]:
+    """Per-layer statistics from the summed rows [L, N_SUMS] (on the CPU)."""
+    s = sums.double()
+    out = {"act_sparsity": s[:, ZEROS] / s[:, ELEMENTS].clamp(min=1)}
+    if sparse24:
+        out["drop_nnz"] = s[:, DROPPED_NNZ] / s[:, NNZ].clamp(min=1)
+        out["drop_l2"] = (s[:, DROPPED_SQ] / s[:, SQ].clamp(min=1e-30)).sqrt()
+        out["dense_features"] = s[:, DENSE_FEATS] / s[:, FEATURES].clamp(min=1)
+        out["split_density"] = s[:, SPLIT_DENSITY] / s[:, PASSES].clamp(min=1)
+        out["sparse24"] = (s[:, SPARSE] / s[:, PASSES].clamp(min=1)).round()
+    return {k: v.tolist() for k, v in out.items()}

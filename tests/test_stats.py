@@ -1,0 +1,124 @@
+"""Per-layer activation statistics against direct computation, and the real wandb run."""
+import json
+import math
+
+import pytest
+import torch
+
+from helpers import run_train, tiny_overrides, write_corpus
+from model import FFNConfig, FFNKind, ModelConfig, Transformer
+from model.sparse24 import mask_2to4
+from model.stats import (DENSE_FEATURE_DENSITY, N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, derive,
+                         sparse24_sums)
+from training.metrics import PEAK_BF16_TFLOPS, Throughput, peak_flops
+
+
+def test_dense_sums_on_a_known_tensor():
+    a = torch.tensor([[0.0, 1.0, 0.0, 2.0], [0.0, 0.0, 0.0, 3.0]])
+    stats = derive(dense_activation_sums(a)[None], sparse24=False)
+    assert stats == {"act_sparsity": [5 / 8]}
+
+
+def test_swiglu_threshold_counts_small_magnitudes():
+    t = SWIGLU_ZERO_THRESHOLD
+    a = torch.tensor([[t / 2, -t / 2, 2 * t, -3 * t]])
+    assert derive(dense_activation_sums(a, t)[None], sparse24=False)["act_sparsity"] == [0.5]
+
+
+def test_sparse24_sums_on_a_known_tensor():
+    # 4 tokens x 8 features; feature 0 is dense along tokens, the rest sparse
+    a = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 5.0],
+                      [4.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0],
+                      [4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                      [4.0, 1.0, 0.0, 0.0, 0.0, 2.0, 0.0, 0.0]])
+    mask = mask_2to4(a)
+    for sparse in (False, True):
+        s = derive(sparse24_sums(a, mask, dense_fraction=0.25, sparse=sparse)[None], sparse24=True)
+        fed = a * mask if sparse else a
+        assert s["act_sparsity"] == [pytest.approx((fed == 0).float().mean().item())]
+        dropped = (a != 0) & ~mask
+        assert s["drop_nnz"] == [pytest.approx(dropped.sum().item() / (a != 0).sum().item())]
+        assert s["drop_l2"] == [pytest.approx(((a * ~mask).norm() / a.norm()).item())]
+        density = (fed != 0).float().mean(0)
+        assert s["dense_features"] == [pytest.approx((density > DENSE_FEATURE_DENSITY).float().mean().item())]
+        assert s["split_density"] == [pytest.approx(density.sort(descending=True).values[1].item())]  # k = 2
+        assert s["sparse24"] == [float(sparse)]
+    # by hand: 13 non-zeros; 2:4 drops the 2 and 1 of row 0's [4,3,2,1] and the third 1 of row 1's
+    # [1,1,1,0] (ties go to the lower index)
+    s = derive(sparse24_sums(a, mask, 0.25, sparse=True)[None], sparse24=True)
+    assert s["drop_nnz"] == [pytest.approx(3 / 13)]
+    assert s["dense_features"] == [pytest.approx(1 / 8)]  # only feature 0 is above 50% density
+
+
+def test_derive_averages_over_passes_and_sums_counts():
+    a = torch.relu(torch.randn(64, 32)) ** 2
+    b = torch.relu(torch.randn(64, 32) - 1) ** 2
+    rows = sparse24_sums(a, mask_2to4(a), 0.05, True) + sparse24_sums(b, mask_2to4(b), 0.05, True)
+    s = derive(rows[None], sparse24=True)
+    both = torch.cat([a * mask_2to4(a), b * mask_2to4(b)])
+    assert s["act_sparsity"] == [pytest.approx((both == 0).float().mean().item())]
+    assert s["sparse24"] == [1.0]
+
+
+def test_counts_stay_exact_above_float32_integers():
+    row = torch.zeros(N_SUMS, dtype=torch.float64)
+    row[0], row[1] = 2**25 + 1, 2**24 + 1
+    assert derive(row[None], False)["act_sparsity"] == [(2**24 + 1) / (2**25 + 1)]
+
+
+@pytest.mark.parametrize("kind", list(FFNKind))
+def test_model_collects_per_layer_stats_only_when_asked(kind):
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(dim=64, n_layers=3, n_heads=2, swiglu_hidden=128), FFNConfig(kind=kind), 100)
+    x = torch.randint(0, 100, (2, 16))
+    m(x, x).backward()
+    assert m.pop_ffn_stats().abs().sum() == 0  # nothing collected while off
+    m.collect_ffn_stats(True)
+    acts = []
+    hooks = [layer.feed_forward.w2.register_forward_pre_hook(lambda mod, inp: acts.append(inp[0].detach()))
+             for layer in m.layers]
+    m(x, x).backward()
+    for h in hooks:
+        h.remove()
+    stats = derive(m.pop_ffn_stats(), kind == FFNKind.srelu24)
+    thr = SWIGLU_ZERO_THRESHOLD if kind == FFNKind.swiglu else 0.0
+    want = [(a.abs() <= thr).float().mean().item() for a in acts]
+    assert stats["act_sparsity"] == pytest.approx(want)
+    assert m.pop_ffn_stats().abs().sum() == 0  # popping resets
+
+
+def test_no_mfu_on_cpu_and_peak_table():
+    assert peak_flops(torch.device("cpu")) is None
+    assert PEAK_BF16_TFLOPS["H100"] == PEAK_BF16_TFLOPS["H200"] == 989.0 and PEAK_BF16_TFLOPS["A100"] == 312.0
+    meter = Throughput(torch.device("cpu"), flops_per_token=100, tokens_per_step=1000)
+    for _ in range(3):
+        meter.step()
+    out = meter.read()
+    assert "mfu" not in out and out["tokens_per_s"] > 0
+    assert out["step_time_s"] * 3 == pytest.approx(3000 / out["tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_has_per_layer_keys(tmp_path):
+    from wandb_records import history_keys, run_info
+
+    corpus = write_corpus(tmp_path / "corpus")
+    args = [a for a in tiny_overrides(tmp_path, corpus) if not a.startswith("logging.wandb.mode")]
+    r = run_train(args + ["ffn=srelu24", "ffn.hidden_dim=128", "ffn.dense_warmup_steps=3", "logging.wandb.mode=offline",
+                          "name=statstest"], env={"WANDB_MODE": "offline"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    keys = history_keys(files[0])
+    for stat in ("act_sparsity", "drop_nnz", "drop_l2", "dense_features", "split_density", "sparse24"):
+        assert {f"{stat}/layer_00", f"{stat}/layer_01"} <= keys, stat
+        assert f"charts/{stat}_table/_type" in keys  # the line-per-layer chart
+    assert "charts/act_sparsity_heatmap/_type" in keys
+    assert {"loss", "val_loss", "tokens", "tokens_per_s", "step_time_s", "data_wait_frac"} <= keys
+    info = run_info(files[0])
+    assert info["group"] == "statstest" and info["job_type"] == "srelu24"
+    assert {"model", "ffn", "trainer", "run_info"} <= info["config_keys"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["layers"]["sparse24"] for r in rows if "layers" in r][2:4] == [[0.0, 0.0], [1.0, 1.0]]
+    assert all(math.isfinite(v) for r in rows if "layers" in r for v in r["layers"]["drop_l2"])

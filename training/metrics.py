@@ -1,0 +1,73 @@
+"""Throughput, MFU and memory: measured between log points without per-step host syncs."""
+import time
+import warnings
+from typing import Optional
+
+import torch
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' datasheets: the one
+# table MFU is computed against. Matched as a substring of torch.cuda.get_device_name().
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0,
+                    "A100": 312.0, "A800": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """Peak FLOP/s of one device, or None (CPU, or a GPU not in the table: no MFU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in sorted(PEAK_BF16_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return tflops * 1e12
+    warnings.warn(f"no peak FLOP/s known for {name!r}; MFU is not logged (add it to PEAK_BF16_TFLOPS)")
+    return None
+
+
+class Throughput:
+    """Tokens/s, step time, data-wait fraction, MFU and peak memory over each log interval.
+
+    MFU = dense-equivalent FLOPs per token (model/flops.py: 6N + 12LdS) x tokens/s over the
+    peak of all devices. srelu24 counts as dense, so its speed-up shows as a higher MFU."""
+
+    def __init__(self, device: torch.device, flops_per_token: int, tokens_per_step: int, world_size: int = 1,
+                 elapsed_offset: float = 0.0):
+        self.device, self.flops_per_token, self.tokens_per_step = device, flops_per_token, tokens_per_step
+        peak = peak_flops(device)
+        self.peak = peak * world_size if peak else None
+        self.start = time.perf_counter() - elapsed_offset  # wall-clock carries over a resume
+        self.reset()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def reset(self) -> None:
+        self.t0, self.steps, self.data_s = time.perf_counter(), 0, 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def pause(self) -> None:
+        """Exclude what follows (evaluation, checkpoints) from the interval."""
+        self.paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        self.t0 += time.perf_counter() - self.paused_at
+
+    def data_time(self, seconds: float) -> None:
+        self.data_s += seconds
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def read(self) -> dict:
+        """Call right after a host sync (the loss .item()), so the clock covers the device work."""
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        tok_s = self.steps * self.tokens_per_step / elapsed
+        out = {"tokens_per_s": tok_s, "step_time_s": elapsed / max(self.steps, 1),
+               "data_wait_frac": self.data_s / elapsed, "elapsed_s": self.elapsed()}
+        if self.peak:
+            out["mfu"] = self.flops_per_token * tok_s / self.peak
+        if self.device.type == "cuda":
+            out["mem_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            out["mem_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        self.reset()
+        return out
