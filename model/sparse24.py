@@ -111,6 +111,9 @@ class _SReLU24(torch.autograd.Function):
         return dx, dw1, dw2, None, None
 
 
+# The reference runs eagerly inside a compiled model: inductor cannot compile it (its pattern
+# matcher failed on it, torch 2.11), and the fused kernels replace it where speed matters.
+@torch.compiler.disable
 def srelu24_ffn(x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe,
                 stats: Optional[Tensor] = None) -> Tensor:
     """Y = (mask24 * relu(X W1^T)^2) W2^T with the 2:4 backward of the recipe.

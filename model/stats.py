@@ -27,31 +27,53 @@ ELEMENTS, ZEROS, NNZ, DROPPED_NNZ, SQ, DROPPED_SQ, DENSE_FEATS, FEATURES, SPLIT_
 N_SUMS = 11
 
 
-def dense_activation_sums(a: Tensor, threshold: float = 0.0) -> Tensor:
-    """Sums for a dense FFN's activation a [..., F]."""
+def _dense_sums(a: Tensor, threshold: float) -> Tensor:
     zeros = (a == 0).sum() if threshold == 0 else (a.abs() <= threshold).sum()
+    one = torch.ones((), dtype=torch.float64, device=a.device)
     row = torch.zeros(N_SUMS, dtype=torch.float64, device=a.device)
-    row[ELEMENTS], row[ZEROS], row[PASSES] = a.numel(), zeros, 1
-    return row
+    return row.index_put((torch.tensor([ELEMENTS, ZEROS, PASSES], device=a.device),),
+                         torch.stack([one * a.numel(), zeros.double(), one]))
 
 
-def sparse24_sums(a: Tensor, mask: Tensor, dense_fraction: float, sparse: bool) -> Tensor:
-    """Sums for srelu24: a = relu(Z)^2 [..., F] before the 2:4 selection, mask its 2:4 mask."""
+def _sparse24_sums(a: Tensor, mask: Tensor, k: int, sparse: bool) -> Tensor:
     a = a.reshape(-1, a.shape[-1])
     mask = mask.reshape(a.shape)
     nz = a != 0
     fed_nz = nz & mask if sparse else nz  # non-zeros of what feeds W2
     density = fed_nz.sum(0, dtype=torch.float32) / a.shape[0]  # per feature, along tokens
-    k = max(1, int(round(dense_fraction * a.shape[1])))
-    sq = a.square()
-    f64 = lambda t: t.to(torch.float64)  # noqa: E731 - counts above 2^24 must stay exact
-    return torch.stack([
-        f64(torch.tensor(a.numel(), device=a.device)), f64(a.numel() - fed_nz.sum()),
-        f64(nz.sum()), f64((nz & ~mask).sum()),
-        f64(sq.sum(dtype=torch.float32)), f64((sq * ~mask).sum(dtype=torch.float32)),
-        f64((density > DENSE_FEATURE_DENSITY).sum()), f64(torch.tensor(a.shape[1], device=a.device)),
-        f64(density.topk(k).values[-1]), f64(torch.tensor(1, device=a.device)),
-        f64(torch.tensor(int(sparse), device=a.device))])
+    sq = a.float().square()
+    one = torch.ones((), dtype=torch.float64, device=a.device)
+    return torch.stack([  # in the column order of N_SUMS
+        one * a.numel(), (a.numel() - fed_nz.sum()).double(), nz.sum().double(), (nz & ~mask).sum().double(),
+        sq.sum().double(), torch.where(mask, 0.0, sq).sum().double(),
+        (density > DENSE_FEATURE_DENSITY).sum().double(), one * a.shape[1],
+        density.topk(k).values[-1].double(), one, one * float(sparse)])
+
+
+_compiled: dict = {}
+
+
+def _fused(fn):
+    """On CUDA, one compiled (fused) version of fn: a single pass over the activation instead
+    of one kernel per reduction; eager elsewhere (CPU tests, TRITON_INTERPRET)."""
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=False)
+    return _compiled[fn]
+
+
+# Statistics run on logged steps only. They stay out of the model's torch.compile graph (a
+# graph break on those steps only), so the other steps keep their single graph.
+@torch.compiler.disable
+def dense_activation_sums(a: Tensor, threshold: float = 0.0) -> Tensor:
+    """Sums for a dense FFN's activation a [..., F]."""
+    return (_fused(_dense_sums) if a.is_cuda else _dense_sums)(a, threshold)
+
+
+@torch.compiler.disable
+def sparse24_sums(a: Tensor, mask: Tensor, dense_fraction: float, sparse: bool) -> Tensor:
+    """Sums for srelu24: a = relu(Z)^2 [..., F] before the 2:4 selection, mask its 2:4 mask."""
+    k = max(1, int(round(dense_fraction * a.shape[-1])))
+    return (_fused(_sparse24_sums) if a.is_cuda else _sparse24_sums)(a, mask, k, sparse)
 
 
 def derive(sums: Tensor, sparse24: bool) -> dict[str, list[float]]:

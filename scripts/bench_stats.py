@@ -112,6 +112,7 @@ def main() -> int:
             results.append(bench_variant(variant, args))
         except Exception as e:  # noqa: BLE001 - record and go on with the other variants
             results.append({"variant": variant, "error": f"{type(e).__name__}: {e}"[:500]})
+            torch.cuda.empty_cache()
         print(json.dumps(results[-1]), flush=True)
     record = {"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv, "environment": environment(),
               "results": results}

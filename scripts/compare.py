@@ -1,84 +1,216 @@
-"""Compare runs: one row per run directory (or every job of a multirun directory).
+"""Compare runs: a table (one row per run) and plots, from run directories or multirun directories.
 
-    python scripts/compare.py runs/demo/2026-11-29_21-00-00
-    python scripts/compare.py runs/a runs/b --csv table.csv
+    python scripts/compare.py runs/demo/multirun_2026-11-29_21-00-00       # every job of a sweep
+    python scripts/compare.py runs/a runs/b --out reports/a_vs_b
 
-Reads each run's metrics.jsonl and run_info.json (metrics.jsonl is the source of truth).
+Writes <out>/summary.md, <out>/summary.csv, val_loss.png, train_loss_time.png, throughput.png and
+sparsity_heatmap_<run>.png (default out: <first input>/report); the table is also printed.
+metrics.jsonl is the source of truth. Throughput and MFU are medians over the log intervals after
+the first ~10% (at least the first one), which include warm-up and compilation.
 """
 import argparse
 import csv
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
+
+from matplotlib.ticker import MaxNLocator
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from training.plots import close, layer_heatmap, plt  # noqa: E402
+
+WARMUP_FRACTION = 0.1
+
+
+def natural(p: Path) -> list:
+    """Sort key: multirun job 10_x after 9_x."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
     runs = []
     for p in paths:
-        if (p / "metrics.jsonl").is_file():
-            runs.append(p)
-        else:
-            runs.extend(sorted(d.parent for d in p.glob("*/metrics.jsonl")))
+        found = [p] if (p / "metrics.jsonl").is_file() else sorted(
+            (d.parent for d in p.glob("*/metrics.jsonl")), key=natural)
+        runs += [r for r in found if r.resolve() not in {x.resolve() for x in runs}]
     return runs
 
 
+def read_metrics(run: Path) -> list[dict]:
+    """Rows by step; a resumed run appends from its checkpoint, so a repeated step keeps its last row."""
+    by_step = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # blank, or a line cut short by a crash
+            continue
+        by_step[row.get("step", len(by_step))] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def variant_of(run: Path) -> str:
+    for name in ("config_resolved.yaml", ".hydra/config.yaml"):
+        if (run / name).is_file():
+            kind = OmegaConf.select(OmegaConf.load(run / name), "ffn.kind", default=None)
+            if kind is not None:
+                return str(kind)
+    return "?"
+
+
+def steady(values: list) -> list:
+    """Drop the first ~10% of log intervals (at least one, when there are more than one)."""
+    skip = max(1, math.ceil(WARMUP_FRACTION * len(values))) if len(values) > 1 else 0
+    return values[skip:]
+
+
+def median(values: list):
+    return statistics.median(values) if values else None
+
+
 def summarize(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    info = json.loads((run / "run_info.json").read_text())
-    cfg = (run / "config_resolved.yaml").read_text() if (run / "config_resolved.yaml").exists() else ""
-    variant = next((ln.split(":", 1)[1].strip() for ln in cfg.splitlines() if ln.strip().startswith("kind:")), "?")
+    rows = read_metrics(run)
+    info = json.loads((run / "run_info.json").read_text()) if (run / "run_info.json").is_file() else {}
+    params = info.get("params", {})
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
-    speeds = [r["tokens_per_s"] for r in train[1:]] or [r["tokens_per_s"] for r in train]  # first interval warms up
+    window = steady([r for r in train if "tokens_per_s" in r])
+    sparsity = [r["layers"]["act_sparsity"] for r in rows if r.get("layers", {}).get("act_sparsity")]
+    mem = [r["mem_allocated_gib"] for r in rows if "mem_allocated_gib" in r]
     return {
-        "run": run.name, "variant": variant,
-        "params": info["params"]["total"], "non_embedding": info["params"]["non_embedding"],
+        "run": run.name, "variant": variant_of(run),
+        "params": params.get("total"), "non_embedding": params.get("non_embedding"),
         "tokens": rows[-1]["tokens"] if rows else 0,
-        "first_loss": train[0]["loss"] if train else math.nan,
-        "final_loss": train[-1]["loss"] if train else math.nan,
-        "final_val_loss": val[-1]["val_loss"] if val else math.nan,
-        "ln_vocab": math.log(info["vocab_size"]),
-        "tokens_per_s": statistics.median(speeds) if speeds else math.nan,
+        "final_loss": train[-1]["loss"] if train else None,
+        "final_val_loss": val[-1]["val_loss"] if val else None,
+        "tokens_per_s": median([r["tokens_per_s"] for r in window]),
+        "mfu": median([r["mfu"] for r in window if "mfu" in r]),
+        "act_sparsity": statistics.fmean(sparsity[-1]) if sparsity else None,
+        "peak_mem_gib": max(mem) if mem else None,
+        "_rows": rows,
     }
 
 
-COLUMNS = [("run", "run"), ("variant", "variant"), ("params", "params"), ("tokens", "tokens"),
-           ("first_loss", "first loss"), ("final_loss", "final train loss"), ("final_val_loss", "final val loss"),
-           ("ln_vocab", "ln(vocab)"), ("tokens_per_s", "tokens/s (median)")]
+# key, header, format of a present value ("-" when absent)
+COLUMNS = [("run", "run", str), ("variant", "variant", str),
+           ("params", "params", "{:,}".format), ("non_embedding", "non-emb params", "{:,}".format),
+           ("tokens", "tokens", "{:,}".format), ("final_loss", "final train loss", "{:.4f}".format),
+           ("final_val_loss", "final val loss", "{:.4f}".format),
+           ("tokens_per_s", "tokens/s (steady median)", "{:,.0f}".format), ("mfu", "MFU", "{:.1%}".format),
+           ("act_sparsity", "act sparsity (mean)", "{:.3f}".format),
+           ("peak_mem_gib", "peak mem alloc (GiB)", "{:.2f}".format)]
 
 
-def fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:,.0f}" if v > 1000 else f"{v:.3f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
+def absent(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    out += ["| " + " | ".join(fmt(r[k]) for k, _ in COLUMNS) + " |" for r in rows]
+    out = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    out += ["| " + " | ".join("-" if absent(r[k]) else f(r[k]) for k, _, f in COLUMNS) + " |" for r in rows]
     return "\n".join(out)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([k for k, _, _ in COLUMNS])
+        w.writerows(["" if absent(r[k]) else r[k] for k, _, _ in COLUMNS] for r in rows)
+
+
+def label_runs(rows: list[dict]) -> None:
+    """Names unique across inputs (file names) and labels by variant, plus the run when variants repeat."""
+    for r in rows:
+        clash = sum(x["run"] == r["run"] for x in rows) > 1
+        r["name"] = f"{r['_dir'].parent.name}_{r['run']}" if clash else r["run"]
+    for r in rows:
+        repeated = sum(x["variant"] == r["variant"] for x in rows) > 1
+        r["label"] = f"{r['variant']} ({r['name']})" if repeated else r["variant"]
+
+
+def line_plot(rows: list[dict], y: str, x: str, xlabel: str, ylabel: str, path: Path) -> bool:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = False
+    for r in rows:
+        pts = [(m[x], m[y]) for m in r["_rows"] if y in m and x in m]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if len(pts) < 20 else None, ms=3, label=r["label"])
+            drawn = True
+    if drawn:
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{ylabel} vs {xlabel}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    close(fig)
+    return drawn
+
+
+def throughput_plot(rows: list[dict], path: Path) -> bool:
+    speeds = [0.0 if absent(r["tokens_per_s"]) else r["tokens_per_s"] for r in rows]
+    if not any(speeds):
+        return False
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(rows) + 2), 4.5))
+    bars = ax.bar(range(len(rows)), speeds, color=[f"C{i % 10}" for i in range(len(rows))])
+    tilt = len(rows) > 3
+    ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=20 if tilt else 0,
+                  ha="right" if tilt else "center")
+    base = speeds[0]
+    for bar, s in zip(bars, speeds):
+        note = f"{s:,.0f}" + (f"\n{s / base:.2f}x" if base else "")
+        ax.annotate(note, (bar.get_x() + bar.get_width() / 2, s), ha="center", va="bottom", fontsize=8)
+    ax.set(ylabel="tokens/s (steady-state median)", title=f"throughput (ratio vs {rows[0]['label']})")
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    close(fig)
+    return True
+
+
+def heatmap(r: dict, path: Path) -> bool:
+    hist = [(m["tokens"], m["layers"]["act_sparsity"]) for m in r["_rows"] if m.get("layers", {}).get("act_sparsity")]
+    if not hist:
+        return False
+    fig = layer_heatmap([t for t, _ in hist], [v for _, v in hist], f"activation sparsity per layer: {r['label']}")
+    fig.axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
+    fig.savefig(path, dpi=120)
+    close(fig)
+    return True
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", type=Path, help="run directories or multirun directories")
-    ap.add_argument("--csv", type=Path, help="also write the table as CSV")
+    ap.add_argument("--out", type=Path, help="where tables and plots go (default: <first path>/report)")
     args = ap.parse_args(argv)
     runs = find_runs(args.paths)
     if not runs:
-        print(f"error: no run with a metrics.jsonl under {' '.join(map(str, args.paths))}", file=sys.stderr)
+        print(f"error: no run (a directory with metrics.jsonl) in {' '.join(map(str, args.paths))}", file=sys.stderr)
         return 2
-    rows = [summarize(r) for r in runs]
-    print(markdown(rows))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=[k for k, _ in COLUMNS])
-            w.writeheader()
-            w.writerows({k: r[k] for k, _ in COLUMNS} for r in rows)
+    rows = [{**summarize(r), "_dir": r} for r in runs]
+    label_runs(rows)
+    out = args.out or args.paths[0] / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows)
+    print(table)
+    (out / "summary.md").write_text(table + "\n")
+    write_csv(rows, out / "summary.csv")
+
+    plots = []
+    if line_plot(rows, "val_loss", "tokens", "tokens", "validation loss", out / "val_loss.png"):
+        plots.append("val_loss.png")
+    if line_plot(rows, "loss", "elapsed_s", "wall-clock seconds", "training loss", out / "train_loss_time.png"):
+        plots.append("train_loss_time.png")
+    if throughput_plot(rows, out / "throughput.png"):
+        plots.append("throughput.png")
+    for r in rows:
+        if heatmap(r, out / f"sparsity_heatmap_{r['name']}.png"):
+            plots.append(f"sparsity_heatmap_{r['name']}.png")
+    print(f"\ntables: {out / 'summary.md'}, {out / 'summary.csv'}")
+    print(f"plots in {out}/: {', '.join(plots) or 'none (nothing to plot)'}")
     return 0
 
 

@@ -122,3 +122,17 @@ def test_offline_wandb_run_has_per_layer_keys(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["layers"]["sparse24"] for r in rows if "layers" in r][2:4] == [[0.0, 0.0], [1.0, 1.0]]
     assert all(math.isfinite(v) for r in rows if "layers" in r for v in r["layers"]["drop_l2"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [False, True])
+def test_fused_sums_on_cuda_equal_the_eager_ones(sparse):
+    """On CUDA the sums run through torch.compile: same numbers as the eager definition."""
+    from model.stats import _dense_sums, _sparse24_sums
+
+    a = (torch.relu(torch.randn(4096, 1024, device="cuda") - 0.5) ** 2).bfloat16()
+    mask = mask_2to4(a)
+    got = sparse24_sums(a, mask, 0.05, sparse)
+    want = _sparse24_sums(a, mask, 51, sparse)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(dense_activation_sums(a), _dense_sums(a, 0.0), rtol=0, atol=0)

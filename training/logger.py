@@ -106,6 +106,7 @@ def environment() -> dict:
 
 def _git(root: Path, *args: str) -> Optional[str]:
     try:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001 - not a git checkout
+        r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+    except Exception:  # noqa: BLE001 - no git
         return None
+    return r.stdout.strip() if r.returncode == 0 else None  # None: not a git checkout
