@@ -13,13 +13,15 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from data.errors import DataError
+from training.cli import check_overrides
 from training.config import register_configs
 from training.errors import CheckpointError, ConfigError
 
 register_configs()
+CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="config")
 def main(cfg: DictConfig) -> None:
     from training.loop import train  # after Hydra has parsed the command line: --help stays fast
 
@@ -33,4 +35,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_overrides(CONFIGS, sys.argv[1:])
     main()

@@ -31,7 +31,10 @@ def describe_source(cfg: DataConfig) -> str:
         what = f"files(paths={list(cfg.paths)}, text_field={cfg.text_field!r})"
     else:
         what = f"hub({cfg.hub_path!r}, name={cfg.hub_name!r}, split={cfg.split!r}, text_field={cfg.text_field!r})"
-    return f"{what}, max_documents={cfg.max_documents}"
+    split = f", val_fraction={cfg.val_fraction}"  # the train/val split is part of what the shards hold
+    if cfg.tokenizer == "bpe":
+        split += f", tokenizer_train_documents={cfg.tokenizer_train_documents}"
+    return f"{what}, max_documents={cfg.max_documents}{split}"
 
 
 def iter_documents(cfg: DataConfig, base_dir: Path) -> Iterator[str]:

@@ -1,5 +1,10 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on the CPU interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

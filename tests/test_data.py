@@ -375,3 +375,21 @@ def test_loader_fixed_batches_and_too_short(tmp_path):
     assert torch.equal(many[0][1], first[0][1])
     with pytest.raises(DataError, match=r"trainer.seq_len=50.*50 tokens.*data.val_fraction"):
         _loader(tmp_path, m, split="val", seq_len=50)
+
+
+def test_changed_split_settings_are_not_served_from_cache(tmp_path):
+    """A cached shard dir made with another val_fraction is refused, not silently reused."""
+    from data.config import DataConfig
+    from data.errors import DataError
+    from data.shards import prepare
+
+    root = tmp_path / "src"
+    root.mkdir()
+    for i in range(12):
+        (root / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20)
+    cfg = DataConfig(include_stdlib=False, roots=[str(root)], vocab_size=300, cache_dir=str(tmp_path / "c"),
+                     val_fraction=0.25)
+    prepare(cfg, tmp_path, progress=False)
+    cfg.val_fraction = 0.5
+    with pytest.raises(DataError, match="val_fraction=0.25"):
+        prepare(cfg, tmp_path, progress=False)

@@ -1,0 +1,123 @@
+"""Fused srelu + 2:4 sparsify: one pass over Z = X W1^T that writes A24 = 2:4(relu(Z)^2)
+directly in cuSPARSELt's sm90 compressed layout (the operand of `torch._cslt_sparse_mm`),
+plus the per-feature count of kept non-zeros (for the dense-feature split).
+
+Reference: `srelu_sparsify24_reference` (PyTorch: model.sparse24.mask_2to4 +
+kernels.cslt_layout.compress). The Triton kernel must match it bit for bit.
+
+A 64x32 tile's 512 metadata nibbles are 128 consecutive 16-bit words: word 4p + m (p = 8c + a
+for rows 16c + 8b + a, m = group % 4) packs the nibbles of rows (b = 0, 1) and groups
+(h = 0, 1; group = 4h + m) at bits 4 (b + 2h). So the kernel loads the tile as two
+[32 rows, 32 columns] blocks (b = 0, 1) and ORs their nibbles into one [32, 4] block of words.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from model.sparse24 import mask_2to4
+
+from .cslt_layout import compress, compressed_numel
+
+
+def padded_rows(m: int) -> int:
+    return (m + 63) // 64 * 64
+
+
+def srelu_sparsify24_reference(z: Tensor) -> tuple[Tensor, Tensor]:
+    """(compressed A24 of z's rows padded to 64 with zeros, kept non-zeros per column int32)."""
+    a = F.relu(z).square()
+    keep = mask_2to4(a)
+    pad = padded_rows(z.shape[0]) - z.shape[0]
+    a_p, keep_p = F.pad(a, (0, 0, 0, pad)), F.pad(keep, (0, 0, 0, pad))
+    if pad:  # padding rows are all zero: they keep positions 0 and 1
+        keep_p[z.shape[0]:] = mask_2to4(a_p[z.shape[0]:])
+    counts = ((a * keep) != 0).sum(0, dtype=torch.int32)
+    return compress(a_p, keep_p), counts
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 -> the nearest bf16 (ties to even), kept in fp32, as torch rounds a bf16 product.
+    Done on the bits because TRITON_INTERPRET truncates in .to(tl.bfloat16)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _srelu_sparsify24_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, M, K, stride_zm,
+                             BANDS: tl.constexpr, COUNTS: tl.constexpr):
+    """Program (chunk, band group): one 32-column chunk of BANDS 64-row bands. Per band, two
+    [32 rows, 32 cols] loads (rows 16c + 8b + a for b = 0, 1), viewed as [32, h, m, 4]."""
+    kc = tl.program_id(0)
+    p = tl.arange(0, 32)                        # row pair p = 8c + a
+    m = tl.arange(0, 4)
+    hshift = 8 * tl.arange(0, 2)[None, :, None]  # nibble of group h*4+m sits 8 bits higher for h = 1
+    cols = kc * 32 + tl.arange(0, 32)
+    vcols = kc * 16 + tl.arange(0, 16)
+    # kept non-zeros, per position q: summed elementwise, reduced over rows once at the end
+    c0 = tl.zeros([32, 2, 4], dtype=tl.int32)
+    c1 = tl.zeros([32, 2, 4], dtype=tl.int32)
+    c2 = tl.zeros([32, 2, 4], dtype=tl.int32)
+    c3 = tl.zeros([32, 2, 4], dtype=tl.int32)
+    for i in range(BANDS):
+        band = tl.program_id(1) * BANDS + i
+        row0 = band * 64 + (p // 8) * 16 + p % 8
+        words = tl.zeros([32, 4], dtype=tl.int32)
+        for b in tl.static_range(2):
+            rows = row0 + b * 8
+            z = tl.load(z_ptr + rows[:, None] * stride_zm + cols[None, :], mask=rows[:, None] < M, other=0.0)
+            zf = tl.maximum(z.to(tl.float32), 0.0)
+            act = _round_to_bf16(zf * zf)
+            lo, hi = tl.split(tl.reshape(act, [32, 2, 4, 2, 2]))  # [row, h, m, q >> 1, q & 1]
+            v0, v2 = tl.split(lo)
+            v1, v3 = tl.split(hi)
+            # b_ij: j strictly beats i (i < j); ties go to the lower index
+            b01, b02, b03 = (v1 > v0).to(tl.int32), (v2 > v0).to(tl.int32), (v3 > v0).to(tl.int32)
+            b12, b13, b23 = (v2 > v1).to(tl.int32), (v3 > v1).to(tl.int32), (v3 > v2).to(tl.int32)
+            k0 = (b01 + b02 + b03) < 2
+            k1 = (1 - b01 + b12 + b13) < 2
+            k2 = (2 - b02 - b12 + b23) < 2
+            k3 = (3 - b03 - b13 - b23) < 2
+            p0 = tl.where(k0, 0, tl.where(k1, 1, 2))
+            p1 = tl.where(k3, 3, tl.where(k2, 2, 1))
+            x0 = tl.where(p0 == 0, v0, tl.where(p0 == 1, v1, v2))
+            x1 = tl.where(p1 == 3, v3, tl.where(p1 == 2, v2, v1))
+            vals = tl.reshape(tl.join(x0, x1), [32, 16]).to(tl.bfloat16)
+            tl.store(val_ptr + rows[:, None] * (K // 2) + vcols[None, :], vals)
+            words += tl.sum((p0 | (p1 << 2)) << (hshift + 4 * b), axis=1)  # bits never overlap: + is |
+            if COUNTS:  # padding rows are zero and add nothing
+                c0 += (k0 & (v0 > 0)).to(tl.int32)
+                c1 += (k1 & (v1 > 0)).to(tl.int32)
+                c2 += (k2 & (v2 > 0)).to(tl.int32)
+                c3 += (k3 & (v3 > 0)).to(tl.int32)
+        tile = (band * (K // 32) + kc) * 128
+        tl.store(meta_ptr + tile + p[:, None] * 4 + m[None, :], words.to(tl.int16))
+    if COUNTS:
+        col = kc * 32 + (tl.arange(0, 2)[:, None] * 4 + m[None, :]) * 4  # column of (h, m, q = 0)
+        tl.atomic_add(counts_ptr + col + 0, tl.sum(c0, axis=0))
+        tl.atomic_add(counts_ptr + col + 1, tl.sum(c1, axis=0))
+        tl.atomic_add(counts_ptr + col + 2, tl.sum(c2, axis=0))
+        tl.atomic_add(counts_ptr + col + 3, tl.sum(c3, axis=0))
+
+
+def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: int = 4) -> tuple[Tensor, Tensor]:
+    """Fused kernel version of srelu_sparsify24_reference (z: [M, K] bf16, K % 32 == 0)."""
+    M, K = z.shape
+    if K % 32:
+        raise ValueError(f"srelu_sparsify24 needs the feature count to be a multiple of 32, got {K}")
+    if z.dtype != torch.bfloat16 or z.stride(1) != 1:
+        raise ValueError("srelu_sparsify24 needs a row-major bf16 input")
+    if padded_rows(M) * max(K, z.stride(0)) >= 2**31:
+        raise ValueError(f"srelu_sparsify24 indexes with int32: [{M}, {K}] is too large")
+    Mp = padded_rows(M)
+    buf = torch.empty(compressed_numel(Mp, K), dtype=torch.bfloat16, device=z.device)
+    nnz = torch.zeros(K, dtype=torch.int32, device=z.device)
+    n_bands = Mp // 64
+    bands = next(b for b in (bands, 8, 4, 2, 1) if n_bands % b == 0)
+    grid = (K // 32, n_bands // bands)
+    _srelu_sparsify24_kernel[grid](z, buf, buf[Mp * K // 2:].view(torch.int16), nnz, M, K, z.stride(0),
+                                   BANDS=bands, COUNTS=counts, num_warps=num_warps)
+    return buf.view(Mp, -1), nnz  # 2-D, as torch._cslt_sparse_mm wants its compressed operand
