@@ -10,6 +10,8 @@ for rows 16c + 8b + a, m = group % 4) packs the nibbles of rows (b = 0, 1) and g
 (h = 0, 1; group = 4h + m) at bits 4 (b + 2h). So the kernel loads the tile as two
 [32 rows, 32 columns] blocks (b = 0, 1) and ORs their nibbles into one [32, 4] block of words.
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -37,8 +39,20 @@ def srelu_sparsify24_reference(z: Tensor) -> tuple[Tensor, Tensor]:
     return compress(a_p, keep_p), counts
 
 
+def dz_sparsify24_reference(z: Tensor, da: Tensor) -> Tensor:
+    """Compressed dZ = dA * 2 relu(Z), at the positions the forward 2:4 kept (rows padded to 64)."""
+    a = F.relu(z).square()
+    keep = mask_2to4(a)
+    dz = da * (2 * F.relu(z))
+    pad = padded_rows(z.shape[0]) - z.shape[0]
+    keep_p = F.pad(keep, (0, 0, 0, pad))
+    if pad:
+        keep_p[z.shape[0]:] = mask_2to4(torch.zeros_like(keep_p[z.shape[0]:], dtype=a.dtype))
+    return compress(F.pad(dz, (0, 0, 0, pad)), keep_p)
+
+
 @triton.jit
-def _round_to_bf16(x):
+def round_to_bf16(x):
     """fp32 -> the nearest bf16 (ties to even), kept in fp32, as torch rounds a bf16 product.
     Done on the bits because TRITON_INTERPRET truncates in .to(tl.bfloat16)."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -47,10 +61,31 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _srelu_sparsify24_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, M, K, stride_zm,
-                             BANDS: tl.constexpr, COUNTS: tl.constexpr):
+def top2_of_4(v0, v1, v2, v3):
+    """2:4 selection of groups given as 4 same-shaped tensors (one per position): keep masks,
+    kept positions p0 < p1, and kept values x0, x1. The 2 largest magnitudes win; ties go to
+    the lower position (as model.sparse24.mask_2to4)."""
+    a0, a1, a2, a3 = tl.abs(v0), tl.abs(v1), tl.abs(v2), tl.abs(v3)
+    # b_ij: j strictly beats i (i < j)
+    b01, b02, b03 = (a1 > a0).to(tl.int32), (a2 > a0).to(tl.int32), (a3 > a0).to(tl.int32)
+    b12, b13, b23 = (a2 > a1).to(tl.int32), (a3 > a1).to(tl.int32), (a3 > a2).to(tl.int32)
+    k0 = (b01 + b02 + b03) < 2
+    k1 = (1 - b01 + b12 + b13) < 2
+    k2 = (2 - b02 - b12 + b23) < 2
+    k3 = (3 - b03 - b13 - b23) < 2
+    p0 = tl.where(k0, 0, tl.where(k1, 1, 2))
+    p1 = tl.where(k3, 3, tl.where(k2, 2, 1))
+    x0 = tl.where(p0 == 0, v0, tl.where(p0 == 1, v1, v2))
+    x1 = tl.where(p1 == 3, v3, tl.where(p1 == 2, v2, v1))
+    return k0, k1, k2, k3, p0, p1, x0, x1
+
+
+@triton.jit
+def _srelu_sparsify24_kernel(z_ptr, da_ptr, val_ptr, meta_ptr, counts_ptr, M, K, stride_zm,
+                             BANDS: tl.constexpr, COUNTS: tl.constexpr, DZ: tl.constexpr):
     """Program (chunk, band group): one 32-column chunk of BANDS 64-row bands. Per band, two
-    [32 rows, 32 cols] loads (rows 16c + 8b + a for b = 0, 1), viewed as [32, h, m, 4]."""
+    [32 rows, 32 cols] loads (rows 16c + 8b + a for b = 0, 1), viewed as [32, h, m, 4].
+    DZ: store dZ = dA * 2 relu(Z) at the positions the forward kept, instead of A24."""
     kc = tl.program_id(0)
     p = tl.arange(0, 32)                        # row pair p = 8c + a
     m = tl.arange(0, 4)
@@ -70,21 +105,19 @@ def _srelu_sparsify24_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, M, K, stride_
             rows = row0 + b * 8
             z = tl.load(z_ptr + rows[:, None] * stride_zm + cols[None, :], mask=rows[:, None] < M, other=0.0)
             zf = tl.maximum(z.to(tl.float32), 0.0)
-            act = _round_to_bf16(zf * zf)
+            act = round_to_bf16(zf * zf)
             lo, hi = tl.split(tl.reshape(act, [32, 2, 4, 2, 2]))  # [row, h, m, q >> 1, q & 1]
             v0, v2 = tl.split(lo)
             v1, v3 = tl.split(hi)
-            # b_ij: j strictly beats i (i < j); ties go to the lower index
-            b01, b02, b03 = (v1 > v0).to(tl.int32), (v2 > v0).to(tl.int32), (v3 > v0).to(tl.int32)
-            b12, b13, b23 = (v2 > v1).to(tl.int32), (v3 > v1).to(tl.int32), (v3 > v2).to(tl.int32)
-            k0 = (b01 + b02 + b03) < 2
-            k1 = (1 - b01 + b12 + b13) < 2
-            k2 = (2 - b02 - b12 + b23) < 2
-            k3 = (3 - b03 - b13 - b23) < 2
-            p0 = tl.where(k0, 0, tl.where(k1, 1, 2))
-            p1 = tl.where(k3, 3, tl.where(k2, 2, 1))
-            x0 = tl.where(p0 == 0, v0, tl.where(p0 == 1, v1, v2))
-            x1 = tl.where(p1 == 3, v3, tl.where(p1 == 2, v2, v1))
+            k0, k1, k2, k3, p0, p1, x0, x1 = top2_of_4(v0, v1, v2, v3)
+            if DZ:  # same positions, dZ values (da has z's strides)
+                da = tl.load(da_ptr + rows[:, None] * stride_zm + cols[None, :], mask=rows[:, None] < M, other=0.0)
+                dz = round_to_bf16(da.to(tl.float32) * (2 * zf))
+                lo, hi = tl.split(tl.reshape(dz, [32, 2, 4, 2, 2]))
+                d0, d2 = tl.split(lo)
+                d1, d3 = tl.split(hi)
+                x0 = tl.where(p0 == 0, d0, tl.where(p0 == 1, d1, d2))
+                x1 = tl.where(p1 == 3, d3, tl.where(p1 == 2, d2, d1))
             vals = tl.reshape(tl.join(x0, x1), [32, 16]).to(tl.bfloat16)
             tl.store(val_ptr + rows[:, None] * (K // 2) + vcols[None, :], vals)
             words += tl.sum((p0 | (p1 << 2)) << (hshift + 4 * b), axis=1)  # bits never overlap: + is |
@@ -103,8 +136,11 @@ def _srelu_sparsify24_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, M, K, stride_
         tl.atomic_add(counts_ptr + col + 3, tl.sum(c3, axis=0))
 
 
-def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: int = 4) -> tuple[Tensor, Tensor]:
-    """Fused kernel version of srelu_sparsify24_reference (z: [M, K] bf16, K % 32 == 0)."""
+def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: int = 4,
+                     da: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Fused kernel version of srelu_sparsify24_reference (z: [M, K] bf16, K % 32 == 0).
+    With `da` (same shape and strides as z): the compressed dZ = dA * 2 relu(Z) under the
+    forward's 2:4 mask (for dX = dZ W1), see dz_sparsify24_reference."""
     M, K = z.shape
     if K % 32:
         raise ValueError(f"srelu_sparsify24 needs the feature count to be a multiple of 32, got {K}")
@@ -118,6 +154,9 @@ def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: 
     n_bands = Mp // 64
     bands = next(b for b in (bands, 8, 4, 2, 1) if n_bands % b == 0)
     grid = (K // 32, n_bands // bands)
-    _srelu_sparsify24_kernel[grid](z, buf, buf[Mp * K // 2:].view(torch.int16), nnz, M, K, z.stride(0),
-                                   BANDS=bands, COUNTS=counts, num_warps=num_warps)
+    if da is not None and (da.shape != z.shape or da.stride() != z.stride() or da.dtype != z.dtype):
+        raise ValueError("srelu_sparsify24: da must have z's shape, strides and dtype")
+    _srelu_sparsify24_kernel[grid](z, da if da is not None else z, buf, buf[Mp * K // 2:].view(torch.int16), nnz, M, K,
+                                   z.stride(0), BANDS=bands, COUNTS=counts and da is None, DZ=da is not None,
+                                   num_warps=num_warps)
     return buf.view(Mp, -1), nnz  # 2-D, as torch._cslt_sparse_mm wants its compressed operand

@@ -35,6 +35,7 @@ class FFNConfig:
     token_permutation: bool = True       # permute tokens before the token-dim 2:4 of the weight grads
     dense_feature_fraction: float = 0.05  # densest features kept dense in the weight grads
     reuse_forward_mask: bool = True      # backward re-applies the forward 2:4 mask to dZ
+    kernels: bool = True                 # fused GPU kernels + cuSPARSELt where they run (sm80/sm90)
 
 
 SRELU_HIDDEN_MULTIPLE = 128

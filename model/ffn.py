@@ -56,18 +56,21 @@ class SReLU24(SReLU):
     """Squared-ReLU whose activations are 2:4 sparse once `sparse` is switched on (the
     trainer does so after the dense warmup). Before that it is exactly SReLU."""
 
-    def __init__(self, dim: int, hidden: int, recipe: Sparse24Recipe):
+    def __init__(self, dim: int, hidden: int, recipe: Sparse24Recipe, kernels: bool = True):
         super().__init__(dim, hidden)
         if hidden % 4:
             raise ValueError(f"srelu24 needs a hidden size divisible by 4, got {hidden}")
         self.recipe = recipe
         self.sparse = False
+        self.kernels = kernels
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sparse:
+            stats = self.stats if self.collect_stats else None
+            if self.kernels and kernels_available(x):
+                return srelu24_ffn_kernels(x, self.w1.weight, self.w2.weight, self.recipe, stats)
             warn_reference_path_once()
-            return srelu24_ffn(x, self.w1.weight, self.w2.weight, self.recipe,
-                               self.stats if self.collect_stats else None)
+            return srelu24_ffn(x, self.w1.weight, self.w2.weight, self.recipe, stats)
         a = self.activation(x)
         if self.collect_stats:  # dense warmup: what 2:4 would drop
             d = a.detach()
@@ -75,24 +78,38 @@ class SReLU24(SReLU):
         return self.w2(a)
 
 
-def build_ffn(kind: FFNKind, dim: int, hidden: int, recipe: Sparse24Recipe) -> nn.Module:
+def build_ffn(kind: FFNKind, dim: int, hidden: int, recipe: Sparse24Recipe, kernels: bool = True) -> nn.Module:
     if kind == FFNKind.swiglu:
         return SwiGLU(dim, hidden)
     if kind == FFNKind.srelu:
         return SReLU(dim, hidden)
     if kind == FFNKind.srelu24:
-        return SReLU24(dim, hidden, recipe)
+        return SReLU24(dim, hidden, recipe, kernels)
     raise ValueError(f"unknown ffn kind {kind!r}; valid: {[k.value for k in FFNKind]}")
 
 
 _warned = False
 
 
+def kernels_available(x: Tensor) -> bool:
+    if not x.is_cuda:
+        return False  # keeps triton out of CPU-only runs
+    from kernels.srelu24_ffn import available
+
+    return available(x)
+
+
+def srelu24_ffn_kernels(*args):
+    from kernels.srelu24_ffn import srelu24_ffn_kernels as fn
+
+    return fn(*args)
+
+
 def warn_reference_path_once() -> None:
-    """The GPU kernels arrive later: until then, and wherever they cannot run, srelu24 runs
-    its PyTorch reference. Say so once per process."""
+    """Where the kernels cannot run, srelu24 runs its PyTorch reference. Say so once per process."""
     global _warned
     if not _warned:
-        warnings.warn("srelu24: using the pure-PyTorch 2:4 reference (no fused kernels on this device); "
-                      "it computes the right function but is slower than dense srelu", stacklevel=2)
+        warnings.warn("srelu24: using the pure-PyTorch 2:4 reference (the fused kernels need CUDA sm80/sm90 "
+                      "and ffn.kernels=true); it computes the same function but is slower than dense srelu",
+                      stacklevel=2)
         _warned = True

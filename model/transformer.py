@@ -80,7 +80,7 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         recipe = Sparse24Recipe(ffn.token_permutation, ffn.dense_feature_fraction, ffn.reuse_forward_mask)
-        self.feed_forward = build_ffn(FFNKind(ffn.kind), cfg.dim, ffn_hidden_dim(cfg, ffn), recipe)
+        self.feed_forward = build_ffn(FFNKind(ffn.kind), cfg.dim, ffn_hidden_dim(cfg, ffn), recipe, ffn.kernels)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)

@@ -1,11 +1,11 @@
-"""The srelu24 FFN against dense on the GPU: correctness of the fused sparsify kernel against
-its reference and against torch._cslt_compress, then median times (triton do_bench).
+"""The srelu24 FFN against dense on the GPU: correctness of the kernels against their
+references, then median times (triton do_bench) of forward and forward+backward for SwiGLU,
+dense srelu (eager and compiled) and srelu24 (kernels/srelu24_ffn.py), the fused sparsify
+pass against a copy, and where srelu24's time goes at 7B, T=16384.
 
     python scripts/bench_ffn.py                     # 1B and 7B shapes, T = 4096, 16384, 65536
 
-Today this measures the FORWARD pass (Z = X W1^T dense; fused srelu + 2:4 + compress; Y =
-A24 W2^T through cuSPARSELt) and the fused pass against a copy; the backward kernels are not
-written yet. Writes a table and benchmarks/results/bench_ffn.json.
+Writes tables and benchmarks/results/bench_ffn.json.
 """
 import argparse
 import json
@@ -21,6 +21,9 @@ import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels.cslt_layout import decompress  # noqa: E402
+from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_kernels  # noqa: E402
+from kernels.sparsify24_tokens import sparsify_tokens  # noqa: E402
+from model.sparse24 import Sparse24Recipe, srelu24_ffn  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
 from training.logger import environment  # noqa: E402
@@ -59,6 +62,93 @@ def check(M: int, K: int, shift: float) -> dict:
     except Exception as e:  # noqa: BLE001
         out["cslt_error"] = f"{type(e).__name__}: {e}"[:300]
     return out
+
+
+RECIPE = Sparse24Recipe()  # the paper's: token permutation, 5% dense features, forward mask re-used
+
+
+def check_ffn(T: int, D: int, Fh: int) -> dict:
+    """Kernel FFN vs the PyTorch reference (same token permutation): output and the 3 gradients."""
+    x = torch.randn(T, D, device="cuda", dtype=BF)
+    w1, w2 = torch.randn(Fh, D, device="cuda") * D ** -0.5, torch.randn(D, Fh, device="cuda") * Fh ** -0.5
+    dy = torch.randn(T, D, device="cuda", dtype=BF)
+    outs = []
+    for fn in (srelu24_ffn, srelu24_ffn_kernels):
+        xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=BF):
+            y = fn(xx, a, b, RECIPE)
+        torch.manual_seed(5)
+        y.backward(dy)
+        outs.append((y, xx.grad, a.grad, b.grad))
+    return {"shape": [T, D, Fh], **{f"rel_err_{k}": rel_err(g, w) for k, g, w in zip(("y", "dx", "dw1", "dw2"), *outs)}}
+
+
+def fwbw(fn, x, ws, gy):
+    def run():
+        for w in ws:
+            w.grad = None
+        x.grad = None
+        fn(x, *ws).backward(gy)
+    return run
+
+
+def time_fwbw(name: str, D: int, Fh: int, T: int, compiled) -> dict:
+    x = torch.randn(T, D, device="cuda", dtype=BF, requires_grad=True)
+    gy = torch.randn(T, D, device="cuda", dtype=BF)
+    w1 = (torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5).requires_grad_()
+    w2 = (torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5).requires_grad_()
+    Fg = (2 * Fh) // 3 // 256 * 256
+    g = [(torch.randn(Fg, D, device="cuda", dtype=BF) * D ** -0.5).requires_grad_() for _ in range(2)]
+    g2 = (torch.randn(D, Fg, device="cuda", dtype=BF) * Fg ** -0.5).requires_grad_()
+
+    def dense(x, w1, w2):
+        return F.linear(F.relu(F.linear(x, w1)).square(), w2)
+
+    def swiglu(x, a, b, c):
+        return F.linear(F.silu(F.linear(x, a)) * F.linear(x, b), c)
+
+    def sparse(x, w1, w2):
+        return srelu24_ffn_kernels(x, w1, w2, RECIPE)
+
+    r = {"shape": name, "T": T, "fwbw_dense_eager_ms": bench(fwbw(dense, x, [w1, w2], gy)),
+         "fwbw_dense_compiled_ms": bench(fwbw(compiled, x, [w1, w2], gy)),
+         "fwbw_swiglu_ms": bench(fwbw(swiglu, x, [*g, g2], gy)),
+         "fwbw_srelu24_ms": bench(fwbw(sparse, x, [w1, w2], gy))}
+    r["fwbw_speedup_vs_eager"] = r["fwbw_dense_eager_ms"] / r["fwbw_srelu24_ms"]
+    r["fwbw_speedup_vs_compiled"] = r["fwbw_dense_compiled_ms"] / r["fwbw_srelu24_ms"]
+    return r
+
+
+def breakdown(D: int, Fh: int, T: int) -> dict:
+    """srelu24's fw+bw, piece by piece (each timed alone)."""
+    x = torch.randn(T, D, device="cuda", dtype=BF)
+    w1 = torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5
+    w2 = torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5
+    dy = torch.randn(T, D, device="cuda", dtype=BF)
+    z = F.linear(x, w1)
+    buf, counts = srelu_sparsify24(z)
+    da = dy @ w2
+    perm = torch.randperm(T, device="cuda")
+    dense = torch.sort(-counts, stable=True).indices[: int(0.05 * Fh)]
+    (s_a, a_d), (s_dz, dz_d) = sparsify_tokens(z, perm, dense), sparsify_tokens(z, perm, dense, da=da)
+    Tp = s_a.shape[1] * 16 // 9
+    dy_p, x_p = F.pad(dy[perm], (0, 0, 0, Tp - T)), F.pad(x[perm], (0, 0, 0, Tp - T))
+    dzb, _ = srelu_sparsify24(z, da=da)
+    parts = {
+        "fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
+        "fw: fused srelu+2:4+compress": lambda: srelu_sparsify24(z),
+        "fw: Y = A24 W2^T (sparse)": lambda: sparse_mm(buf, w2.t()),
+        "bw: dA = dY W2 (dense)": lambda: dy @ w2,
+        "bw: dZ compress (fused)": lambda: srelu_sparsify24(z, da=da),
+        "bw: dX = dZ W1 (sparse)": lambda: sparse_mm(dzb, w1),
+        "bw: permute dY and X": lambda: (dy[perm], x[perm]),
+        "bw: S(A24)^T (fused)": lambda: sparsify_tokens(z, perm, dense),
+        "bw: S(dZ)^T (fused)": lambda: sparsify_tokens(z, perm, dense, da=da),
+        "bw: dW2 (sparse)": lambda: sparse_mm(s_a, dy_p),
+        "bw: dW1 (sparse)": lambda: sparse_mm(s_dz, x_p),
+        "bw: dense-feature GEMMs": lambda: (a_d @ dy_p, dz_d @ x_p),
+    }
+    return {k: bench(fn) for k, fn in parts.items()}
 
 
 def tune_sparsify(z) -> dict:
@@ -118,35 +208,66 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="4096,16384,65536")
     ap.add_argument("--shapes", default="1B,7B")
+    ap.add_argument("--parts", default="checks,forward,fwbw,breakdown")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_ffn.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("error: bench_ffn.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    checks = [check(M, K, s) for M, K, s in [(96, 192, 0.0), (2048, 8192, 1.0), (16384, 16384, 0.5), (4000, 16512, 1.5)]]
+    parts_wanted = set(args.parts.split(","))
+    checks = []
+    if "checks" in parts_wanted:
+        checks = [check(M, K, s) for M, K, s in [(96, 192, 0.0), (2048, 8192, 1.0), (16384, 16384, 0.5), (4000, 16512, 1.5)]]
+    checks += [check_ffn(4000, 1024, 4096), check_ffn(16384, 2048, 8192)]
     for c in checks:
         print(json.dumps(c), flush=True)
     compiled = torch.compile(lambda x, w1, w2: F.linear(F.relu(F.linear(x, w1)).square(), w2))
     shapes = {"1B": (2048, 8192), "7B": (4096, 16384)}
     rows = []
-    for name in args.shapes.split(","):
+    for name in args.shapes.split(",") if "forward" in parts_wanted else []:
         for T in map(int, args.tokens.split(",")):
             rows.append(time_shape(name, *shapes[name], T, compiled))
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
+    compiled_fwbw = torch.compile(lambda x, w1, w2: F.linear(F.relu(F.linear(x, w1)).square(), w2))
+    fb = []
+    for name in args.shapes.split(","):
+        for T in map(int, args.tokens.split(",")):
+            fb.append(time_fwbw(name, *shapes[name], T, compiled_fwbw))
+            print(json.dumps(fb[-1]), flush=True)
+            torch.cuda.empty_cache()
+    parts = breakdown(4096, 16384, 16384) if "breakdown" in parts_wanted else {}
+    parts_small = breakdown(2048, 8192, 4096) if "breakdown" in parts_wanted else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
-                                    "environment": environment(), "checks": checks, "forward": rows}, indent=2))
-    print(f"\n{torch.cuda.get_device_name()}: forward pass only (backward kernels not written yet)")
+                                    "environment": environment(), "checks": checks, "forward": rows,
+                                    "fwbw": fb, "breakdown_7b_16384": parts,
+                                    "breakdown_1b_4096": parts_small}, indent=2))
+    print(f"\n{torch.cuda.get_device_name()}: forward")
     print("| shape | T | copy | fused sparsify (x copy) | dense fw eager | dense fw compiled | swiglu fw | srelu24 fw | vs eager | vs compiled |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['T']} | {r['copy_ms']:.3f} | {r['sparsify_ms']:.3f} ({r['sparsify_vs_copy']:.2f}x) "
               f"| {r['fw_dense_eager_ms']:.3f} | {r['fw_dense_compiled_ms']:.3f} | {r['fw_swiglu_ms']:.3f} "
               f"| {r['fw_srelu24_ms']:.3f} | {r['fw_speedup_vs_eager']:.2f}x | {r['fw_speedup_vs_compiled']:.2f}x |")
+    print("\nforward + backward (ms)")
+    print("| shape | T | dense eager | dense compiled | swiglu | srelu24 | vs eager | vs compiled |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in fb:
+        print(f"| {r['shape']} | {r['T']} | {r['fwbw_dense_eager_ms']:.3f} | {r['fwbw_dense_compiled_ms']:.3f} "
+              f"| {r['fwbw_swiglu_ms']:.3f} | {r['fwbw_srelu24_ms']:.3f} | {r['fwbw_speedup_vs_eager']:.2f}x "
+              f"| {r['fwbw_speedup_vs_compiled']:.2f}x |")
+    print("\nsrelu24 at 7B, T=16384, piece by piece (ms)")
+    for k, v in parts.items():
+        print(f"| {k} | {v:.3f} |")
+    print(f"| sum | {sum(parts.values()):.3f} |")
+    print("\nsrelu24 at 1B, T=4096, piece by piece (ms)")
+    for k, v in parts_small.items():
+        print(f"| {k} | {v:.3f} |")
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
