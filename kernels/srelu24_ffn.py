@@ -19,7 +19,7 @@ from torch import Tensor
 from model.sparse24 import Sparse24Recipe, mask_2to4
 from model.stats import sparse24_sums
 
-from .sparsify24 import padded_rows, srelu_sparsify24
+from .sparsify24 import srelu_sparsify24
 from .sparsify24_tokens import padded_tokens, sparsify_tokens
 
 
@@ -108,4 +108,3 @@ def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recip
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
-__all__ = ["available", "srelu24_ffn_kernels", "padded_rows"]
