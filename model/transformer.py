@@ -9,8 +9,14 @@ Initialisation (`Transformer.reset_parameters`):
   depth (GPT-2, torchtitan);
 - RMSNorm weights: 1.
 The same rule holds for all three FFN variants, so they start from comparable scales.
+
+Inference: `forward(tokens, cache=..., start_pos=p)` with a `KVCache` (`model.new_cache()`)
+runs tokens at positions p..p+S-1, writes their keys/values into the cache and attends to
+everything cached before them (model/generate.py samples with it). Without a cache the
+forward is the training path, unchanged.
 """
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -51,6 +57,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+@dataclass
+class KVCache:
+    """Keys and values of every layer, preallocated: k[i], v[i] are [B, n_kv_heads, max_len,
+    head_dim] (post-RoPE keys). Which positions are filled is the caller's `start_pos`."""
+    k: list[Tensor]
+    v: list[Tensor]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -62,15 +80,34 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                kv: Optional[tuple[Tensor, Tensor]] = None, start_pos: int = 0) -> Tensor:
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if kv is None:  # training: the whole sequence at once
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = self._cached(q, k, v, kv, start_pos, gqa)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+    @staticmethod
+    def _cached(q: Tensor, k: Tensor, v: Tensor, kv: tuple[Tensor, Tensor], start_pos: int, gqa: bool) -> Tensor:
+        """Store k, v at start_pos.. in the cache, then attend to cache positions 0..end-1."""
+        S, end = q.shape[2], start_pos + q.shape[2]
+        cache_k, cache_v = kv
+        cache_k[:, :, start_pos:end] = k
+        cache_v[:, :, start_pos:end] = v
+        k, v = cache_k[:, :, :end], cache_v[:, :, :end]
+        if start_pos == 0:  # prefill: plain causal attention
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        mask = None  # one new token sees every cached position
+        if S > 1:    # a chunk after an offset: query i sees positions 0..start_pos+i
+            mask = torch.ones(S, end, dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Block(nn.Module):
@@ -82,8 +119,9 @@ class Block(nn.Module):
         recipe = Sparse24Recipe(ffn.token_permutation, ffn.dense_feature_fraction, ffn.reuse_forward_mask)
         self.feed_forward = build_ffn(FFNKind(ffn.kind), cfg.dim, ffn_hidden_dim(cfg, ffn), recipe, ffn.kernels)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                kv: Optional[tuple[Tensor, Tensor]] = None, start_pos: int = 0) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start_pos)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -140,15 +178,36 @@ class Transformer(nn.Module):
             layer.feed_forward.stats.zero_()
         return sums
 
-    def forward(self, tokens: Tensor, targets: Optional[Tensor] = None) -> Tensor:
-        """Logits [B, S, V], or the mean cross-entropy when targets are given."""
+    def new_cache(self, batch_size: int = 1, max_len: Optional[int] = None, device=None, dtype=None) -> KVCache:
+        """An empty KVCache for `max_len` positions (default model.max_seq_len), on the
+        model's device and in its dtype unless given."""
+        max_len = max_len or self.cfg.max_seq_len
+        if max_len > self.cfg.max_seq_len:
+            raise ValueError(f"cache length {max_len} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        w = self.tok_embeddings.weight
+        attn = self.layers[0].attention
+        shape = (batch_size, attn.n_kv_heads, max_len, attn.head_dim)
+        kw = dict(device=device or w.device, dtype=dtype or w.dtype)
+        n = len(self.layers)
+        return KVCache(k=[torch.zeros(shape, **kw) for _ in range(n)], v=[torch.zeros(shape, **kw) for _ in range(n)])
+
+    def forward(self, tokens: Tensor, targets: Optional[Tensor] = None,
+                cache: Optional[KVCache] = None, start_pos: int = 0) -> Tensor:
+        """Logits [B, S, V], or the mean cross-entropy when targets are given. With a `cache`,
+        `tokens` are positions start_pos..start_pos+S-1 of sequences whose earlier positions
+        are already in the cache (see KVCache)."""
         S = tokens.shape[1]
-        if S > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {S} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        end = start_pos + S
+        if end > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {end} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if cache is None and start_pos:
+            raise ValueError("start_pos needs a cache holding the earlier positions")
+        if cache is not None and end > cache.max_len:
+            raise ValueError(f"positions up to {end} do not fit the cache of length {cache.max_len}")
+        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, (cache.k[i], cache.v[i]), start_pos)
         logits = self.output(self.norm(h))
         if targets is None:
             return logits
