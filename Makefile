@@ -1,4 +1,4 @@
-# make demo: install into .venv, prepare the stdlib corpus, train a tiny model with each FFN, report.
+# make demo: install into .venv, prepare the stdlib corpus, train a tiny model with each FFN, report, sample.
 # make test: the test suite (what CI runs).
 PYTHON ?= python3
 VENV := .venv
@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 # A CPU build on machines without CUDA; GPU users: make venv TORCH_SPEC="torch==2.11.0" (or any CUDA
 # build >= 2.6 from your index), or install requirements.txt into an environment that has torch.
 TORCH_SPEC ?= torch==2.13.0
-DEMO_DIR ?= runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
+DEMO_TIME := $(shell date +%Y-%m-%d_%H-%M-%S)
+DEMO_DIR ?= runs/demo/$(DEMO_TIME)
 
 .PHONY: venv demo test clean-venv
 
@@ -23,6 +24,11 @@ demo: venv
 	$(PY) scripts/prepare_data.py +experiment=demo
 	$(PY) train.py -m ffn=swiglu,srelu,srelu24 +experiment=demo hydra.sweep.dir=$(DEMO_DIR)
 	$(PY) scripts/compare.py $(DEMO_DIR)
+	@for ckpts in $(DEMO_DIR)/*/checkpoints; do \
+		echo; echo "== sample from $$(dirname $$ckpts)"; \
+		$(PY) scripts/sample.py "$$(ls $$ckpts/step_*.pt | tail -n 1)" "def main(" \
+			--max-new-tokens 60 --temperature 0.8 --seed 0 || exit 1; \
+	done
 
 test: venv
 	$(PY) -m pytest -q
