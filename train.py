@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from data.errors import DataError
 from training.cli import check_overrides
 from training.config import register_configs
-from training.errors import CheckpointError, ConfigError
+from training.errors import CheckpointError, ConfigError, TrainingError
 
 register_configs()
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> None:
     run_name = hc.job.override_dirname or cfg.name
     try:
         train(cfg, Path(hc.runtime.output_dir), run_name)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

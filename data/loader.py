@@ -26,6 +26,7 @@ class TokenLoader:
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is not in [0, world_size={world_size})")
         self.split, self.seq_len, self.batch_size = split, seq_len, batch_size
+        self.vocab_size, self.shard_dir, self.manifest = manifest.vocab_size, Path(shard_dir), manifest
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.samples_seen = 0
         shard_dir = Path(shard_dir)
@@ -63,9 +64,23 @@ class TokenLoader:
         buf = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
         for row, j in enumerate(windows):
             self._window(int(j), buf[row])
+        if buf.size and buf.max() >= self.vocab_size:  # a corrupted shard: ids the model has no row for
+            self._bad_token(windows)
         t = torch.from_numpy(buf)
         # contiguous: callers may .view() them (e.g. targets.view(-1) in the loss)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def _bad_token(self, windows) -> None:
+        for j in windows:
+            start = int(j) * self.seq_len
+            k = int(np.searchsorted(self._starts, start, side="right")) - 1
+            shards = [s for s in self.manifest.splits[self.split] if s["tokens"]]
+            w = np.empty(self.seq_len + 1, dtype=np.int64)
+            self._window(int(j), w)
+            if w.max() >= self.vocab_size:
+                raise DataError(f"{self.shard_dir / shards[k]['file']} holds token id {int(w.max())} at or past "
+                                f"the vocabulary size {self.vocab_size} (near token {start - int(self._starts[k])}): "
+                                "the shard is corrupted; prepare the data again")
 
     def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the next global batch: CPU int64 x, y of shape [batch_size, seq_len]."""

@@ -1,5 +1,12 @@
-"""Checkpoints: one file per saved step under <run_dir>/checkpoints, written atomically
-(temporary file, fsync, rename), so a crash mid-write never leaves a file that looks valid."""
+"""Checkpoints: one file per saved step under <run_dir>/checkpoints.
+
+A checkpoint is `step_XXXXXXXX.pt` plus its manifest `step_XXXXXXXX.pt.json` (size and
+sha256). Both are written to temporary files, fsynced and renamed, the manifest last, so a
+crash or `kill -9` at any moment leaves either a complete, verifiable checkpoint or one that
+is ignored; the previous checkpoints are never touched before a new one is complete. Loading
+verifies the manifest; a damaged checkpoint is reported by name and an older one is used."""
+import hashlib
+import json
 import os
 import random
 import re
@@ -19,27 +26,74 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict) -> Path:
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 0) -> Path:
+    """Write step `step` atomically, then keep only the newest `keep_last` (0: all). A failure
+    (disk full, read-only directory) raises CheckpointError and leaves the older ones intact."""
     d = checkpoint_dir(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
     path = d / f"step_{step:08d}.pt"
-    tmp = d / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save({"format": FORMAT, "step": step, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, lambda f: torch.save({"format": FORMAT, "step": step, **state}, f))
+        manifest = {"step": step, "size": path.stat().st_size, "sha256": _sha256(path)}
+        _write_atomic(_manifest(path), lambda f: f.write(json.dumps(manifest).encode()))
+    except OSError as e:
+        raise CheckpointError(f"could not write checkpoint {path}: {e.strerror or e}; the previous checkpoints "
+                              f"in {d} are intact") from e
+    if keep_last > 0:
+        for old in list_checkpoints(run_dir)[keep_last:]:
+            _manifest(old).unlink(missing_ok=True)  # manifest first: a half-deleted one is never "complete"
+            old.unlink(missing_ok=True)
     return path
 
 
+def _manifest(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint files, newest first (temporary files never match the pattern)."""
+    """Checkpoints whose manifest exists (complete writes), newest first."""
     d = checkpoint_dir(run_dir)
     found = [(int(m.group(1)), p) for p in d.glob("step_*.pt") if (m := _NAME.match(p.name))] if d.is_dir() else []
-    return [p for _, p in sorted(found, reverse=True)]
+    return [p for _, p in sorted(found, reverse=True) if _manifest(p).exists()]
 
 
-def load_checkpoint(path: Path) -> dict:
+def verify_checkpoint(path: Path) -> None:
+    """Size and sha256 against the manifest written with the checkpoint."""
+    try:
+        manifest = json.loads(_manifest(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} has no readable manifest {_manifest(path).name}") from e
+    size = path.stat().st_size if path.exists() else -1
+    if size != manifest.get("size"):
+        raise CheckpointError(f"checkpoint {path} is damaged: {size} bytes, its manifest says {manifest.get('size')}")
+    if _sha256(path) != manifest.get("sha256"):
+        raise CheckpointError(f"checkpoint {path} is damaged: its sha256 does not match its manifest")
+
+
+def load_checkpoint(path: Path, verify: bool = True) -> dict:
+    if verify and _manifest(path).exists():
+        verify_checkpoint(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read means the file is unusable

@@ -45,6 +45,8 @@ class TrainerConfig:
     eval_batches: int = 8        # a fixed validation subset of eval_batches * micro_batch_size windows
     log_every: int = 10
     ckpt_every: int = 500
+    keep_last: int = 3           # checkpoints kept in the run dir (0: all); older ones are deleted after a save
+    nonfinite: str = "skip"      # a non-finite loss or gradient: skip (the step, counted) | stop (with the tensor)
     resume: str = "none"         # none | auto (the latest valid checkpoint in the run dir) | a path
     device: str = "auto"         # auto | cpu | cuda | cuda:N
     precision: str = "auto"      # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32

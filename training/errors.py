@@ -7,3 +7,7 @@ class ConfigError(Exception):
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be resumed: the message names the file and why."""
+
+
+class TrainingError(Exception):
+    """Training cannot go on (a non-finite step under trainer.nonfinite=stop, a broken model)."""

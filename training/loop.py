@@ -2,7 +2,9 @@
 (forward, backward) -> clip -> AdamW -> log / eval / checkpoint."""
 import json
 import math
+import signal
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -20,7 +22,7 @@ from model.stats import derive
 from .checkpoint import (check_model_shape, find_resume_checkpoint, model_shape, rng_state, save_checkpoint,
                          set_rng_state)
 from .config import Config
-from .errors import ConfigError
+from .errors import ConfigError, TrainingError
 from .logger import RunLogger, environment
 from .metrics import Throughput
 from .optim import build_optimizer, lr_at
@@ -79,7 +81,11 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
     is_sparse = cfg.ffn.kind == FFNKind.srelu24
 
     def checkpoint(done: int) -> None:
-        save_checkpoint(run_dir, done, {
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:  # never write a broken model over good checkpoints
+            raise TrainingError(f"step {done}: refusing to checkpoint a model with non-finite weights ({bad[0]}, "
+                                f"{len(bad)} tensor(s)); the checkpoints in {run_dir / 'checkpoints'} are intact")
+        save_checkpoint(run_dir, done, keep_last=t.keep_last, state={
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
             "rng": rng_state(), "model_shape": model_shape(model), "config": resolved,
             "elapsed_s": meter.elapsed(),
@@ -94,7 +100,8 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
 
     meter = Throughput(device, size.flops_per_token, tokens_per_step, elapsed_offset=elapsed0)
     val_loss = train_loss = float("nan")
-    speeds, last_row = [], {}
+    speeds, last_row, skipped = [], {}, 0
+    stop = StopSignal()  # SIGTERM / SIGUSR1 (preemption): checkpoint at the next step boundary, exit 0
     bar = tqdm(total=steps, initial=start, disable=not t.progress, desc=f"{cfg.name}/{cfg.ffn.kind.value}",
                unit="step", dynamic_ncols=True)
     for step in range(start, steps):
@@ -119,7 +126,13 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
             loss_sum += loss.detach()
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
+        if torch.isfinite(grad_norm).item():  # one bool per step: a NaN never reaches the weights
+            optimizer.step()
+        elif t.nonfinite == "stop":
+            raise TrainingError(nonfinite_report(step + 1, loss_sum / accum, model))
+        else:
+            skipped += 1
+            print(f"step {step + 1}: non-finite gradient, step skipped ({skipped} so far)", file=sys.stderr)
         optimizer.zero_grad(set_to_none=True)
         meter.step()
         bar.update(1)
@@ -128,7 +141,8 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
         if log_now:
             model.collect_ffn_stats(False)
             train_loss = (loss_sum / accum).item()  # the one host sync, every log_every steps
-            row.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), **meter.read(), sparse24=int(sparse_on))
+            row.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), **meter.read(), sparse24=int(sparse_on),
+                       skipped_steps=skipped)
             row["layers"] = derive(model.pop_ffn_stats().cpu(), is_sparse)
             row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
@@ -141,16 +155,18 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
             if "tokens_per_s" in row:
                 speeds.append(row["tokens_per_s"])
                 last_row = row
-        if done % t.ckpt_every == 0 or done == steps or done == t.stop_at_step:
+        if done % t.ckpt_every == 0 or done == steps or done == t.stop_at_step or stop.requested:
             meter.pause()
             checkpoint(done)
             meter.resume()
-        if done == t.stop_at_step:
+        if done == t.stop_at_step or stop.requested:
             bar.close()
-            print(f"stopped at step {done} (trainer.stop_at_step); continue with trainer.resume=auto "
-                  f"hydra.run.dir={run_dir}")
+            why = f"signal {stop.requested}" if stop.requested else "trainer.stop_at_step"
+            print(f"stopped at step {done} ({why}), checkpoint saved; continue (or requeue) with the same command "
+                  f"plus trainer.resume=auto hydra.run.dir={run_dir}")
             break
     bar.close()
+    stop.restore()
     summary = {"final_train_loss": train_loss, "final_val_loss": val_loss, "steps": steps,
                "tokens": steps * tokens_per_step, "ln_vocab": math.log(vocab_size),
                "params_total": size.total, "params_non_embedding": size.non_embedding}
@@ -162,6 +178,32 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
     logger.summary(summary)
     logger.close()
     return summary
+
+
+class StopSignal:
+    """Records SIGTERM / SIGUSR1 (SLURM preemption) instead of dying mid-step."""
+
+    def __init__(self):
+        self.requested = None
+        self._old = {}
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def nonfinite_report(step: int, loss: torch.Tensor, model: torch.nn.Module) -> str:
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    return (f"step {step}: non-finite gradient (loss {loss.item():.4g}) first in {bad[0] if bad else '?'} "
+            f"({len(bad)} tensor(s)); trainer.nonfinite=stop, nothing was checkpointed after the last good step")
 
 
 def check_same_data(path: Path, state: dict, manifest) -> None:

@@ -38,6 +38,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     for key in ("log_every", "eval_every", "ckpt_every", "eval_batches"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be positive")
+    if t.nonfinite not in ("skip", "stop"):
+        raise ConfigError(f"trainer.nonfinite={t.nonfinite}: valid values are skip, stop")
+    if t.keep_last < 0:
+        raise ConfigError(f"trainer.keep_last={t.keep_last} must be >= 0 (0 keeps all)")
     if t.precision not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"trainer.precision={t.precision}: valid values are auto, bf16, fp32")
     if t.resume not in ("none", "auto") and not Path(t.resume).is_file():
