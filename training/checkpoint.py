@@ -64,6 +64,9 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 0) -
         for old in list_checkpoints(run_dir)[keep_last:]:
             _manifest(old).unlink(missing_ok=True)  # manifest first: a half-deleted one is never "complete"
             old.unlink(missing_ok=True)
+    for stale in d.glob(".step_*.tmp-*"):  # partial writes of killed processes: never complete, only disk
+        if not stale.name.endswith(f".tmp-{os.getpid()}"):
+            stale.unlink(missing_ok=True)
     return path
 
 

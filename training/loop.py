@@ -102,71 +102,76 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
     val_loss = train_loss = float("nan")
     speeds, last_row, skipped = [], {}, 0
     stop = StopSignal()  # SIGTERM / SIGUSR1 (preemption): checkpoint at the next step boundary, exit 0
-    bar = tqdm(total=steps, initial=start, disable=not t.progress, desc=f"{cfg.name}/{cfg.ffn.kind.value}",
-               unit="step", dynamic_ncols=True)
-    for step in range(start, steps):
-        done = step + 1
-        sparse_on = is_sparse and step >= cfg.ffn.dense_warmup_steps
-        model.set_sparse24(sparse_on)
-        log_now = done % t.log_every == 0 or done == steps
-        model.collect_ffn_stats(log_now)  # statistics of the logged step only: free on the others
-        lr = lr_at(step, steps, cfg.optim)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    try:
+        bar = tqdm(total=steps, initial=start, disable=not t.progress, desc=f"{cfg.name}/{cfg.ffn.kind.value}",
+                   unit="step", dynamic_ncols=True)
+        for step in range(start, steps):
+            done = step + 1
+            sparse_on = is_sparse and step >= cfg.ffn.dense_warmup_steps
+            model.set_sparse24(sparse_on)
+            log_now = done % t.log_every == 0 or done == steps
+            model.collect_ffn_stats(log_now)  # statistics of the logged step only: free on the others
+            lr = lr_at(step, steps, cfg.optim)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(accum):
-            t_data = time.perf_counter()
-            x, y = loader.next_batch()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            meter.data_time(time.perf_counter() - t_data)
-            with autocast:
-                loss = forward(x, y)
-            (loss / accum).backward()
-            loss_sum += loss.detach()
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if torch.isfinite(grad_norm).item():  # one bool per step: a NaN never reaches the weights
-            optimizer.step()
-        elif t.nonfinite == "stop":
-            raise TrainingError(nonfinite_report(step + 1, loss_sum / accum, model))
-        else:
-            skipped += 1
-            print(f"step {step + 1}: non-finite gradient, step skipped ({skipped} so far)", file=sys.stderr)
-        optimizer.zero_grad(set_to_none=True)
-        meter.step()
-        bar.update(1)
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(accum):
+                t_data = time.perf_counter()
+                x, y = loader.next_batch()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                meter.data_time(time.perf_counter() - t_data)
+                with autocast:
+                    loss = forward(x, y)
+                (loss / accum).backward()
+                loss_sum += loss.detach()
+            clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if torch.isfinite(grad_norm).item():  # one bool per step: a NaN never reaches the weights
+                optimizer.step()
+            elif t.nonfinite == "stop":
+                raise TrainingError(nonfinite_report(step + 1, loss_sum / accum, model))
+            else:
+                skipped += 1
+                print(f"step {step + 1}: non-finite gradient, step skipped ({skipped} so far)", file=sys.stderr)
+            optimizer.zero_grad(set_to_none=True)
+            meter.step()
+            bar.update(1)
 
-        row = {}
-        if log_now:
-            model.collect_ffn_stats(False)
-            train_loss = (loss_sum / accum).item()  # the one host sync, every log_every steps
-            row.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), **meter.read(), sparse24=int(sparse_on),
-                       skipped_steps=skipped)
-            row["layers"] = derive(model.pop_ffn_stats().cpu(), is_sparse)
-            row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-        if done % t.eval_every == 0 or done == steps:
-            meter.pause()
-            val_loss = row["val_loss"] = evaluate()
-            meter.resume()
-        if row:
-            logger.log({"step": done, "tokens": done * tokens_per_step, **row})
-            if "tokens_per_s" in row:
-                speeds.append(row["tokens_per_s"])
-                last_row = row
-        if done % t.ckpt_every == 0 or done == steps or done == t.stop_at_step or stop.requested:
-            meter.pause()
-            checkpoint(done)
-            meter.resume()
-        if done == t.stop_at_step or stop.requested:
-            bar.close()
-            why = f"signal {stop.requested}" if stop.requested else "trainer.stop_at_step"
-            print(f"stopped at step {done} ({why}), checkpoint saved; continue (or requeue) with the same command "
-                  f"plus trainer.resume=auto hydra.run.dir={run_dir}")
-            break
-    bar.close()
-    stop.restore()
+            row = {}
+            if log_now:
+                model.collect_ffn_stats(False)
+                train_loss = (loss_sum / accum).item()  # the one host sync, every log_every steps
+                row.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), **meter.read(), sparse24=int(sparse_on),
+                           skipped_steps=skipped)
+                row["layers"] = derive(model.pop_ffn_stats().cpu(), is_sparse)
+                row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
+                bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+            if done % t.eval_every == 0 or done == steps:
+                meter.pause()
+                val_loss = row["val_loss"] = evaluate()
+                meter.resume()
+            if row:
+                logger.log({"step": done, "tokens": done * tokens_per_step, **row})
+                if "tokens_per_s" in row:
+                    speeds.append(row["tokens_per_s"])
+                    last_row = row
+            if done % t.ckpt_every == 0 or done == steps or done == t.stop_at_step or stop.requested:
+                meter.pause()
+                checkpoint(done)
+                meter.resume()
+            if done == t.stop_at_step or stop.requested:
+                bar.close()
+                why = f"signal {stop.requested}" if stop.requested else "trainer.stop_at_step"
+                print(f"stopped at step {done} ({why}), checkpoint saved; continue (or requeue) with the same command "
+                      f"plus trainer.resume=auto hydra.run.dir={run_dir}")
+                break
+        bar.close()
+    except BaseException:
+        logger.close()  # metrics.jsonl closed and the wandb run finished, even on errors
+        raise
+    finally:  # also on errors: leave the process as it was
+        stop.restore()
     summary = {"final_train_loss": train_loss, "final_val_loss": val_loss, "steps": steps,
                "tokens": steps * tokens_per_step, "ln_vocab": math.log(vocab_size),
                "params_total": size.total, "params_non_embedding": size.non_embedding}

@@ -1,0 +1,456 @@
+"""Fault tolerance: "a crash never costs more than the steps since the last checkpoint, and
+never corrupts one". kill -9 at random moments, half-written and damaged checkpoints,
+SIGTERM / SIGUSR1, non-finite steps, a full disk, keep_last and a corrupted shard.
+See docs/RELIABILITY.md for the table of faults and where each is tested."""
+import errno
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import ROOT, compose_config, run_train, tiny_overrides, write_corpus
+
+pytestmark = pytest.mark.slow
+
+KILL_STEPS = 50   # steps of the kill -9 run
+MIN_KILLS = 20
+SIGNAL_STEPS = 60
+
+
+# ---------------------------------------------------------------- helpers
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def last_row_per_step(run_dir: Path) -> dict:
+    """metrics.jsonl after resumes repeats the steps redone since the last checkpoint: the last wins."""
+    return {m["step"]: m for m in metrics(run_dir)}
+
+
+def losses(run_dir: Path) -> dict:
+    return {s: (m.get("loss"), m.get("val_loss")) for s, m in sorted(last_row_per_step(run_dir).items())}
+
+
+def weights(ckpt: Path) -> dict:
+    return torch.load(ckpt, weights_only=True, map_location="cpu")["model"]
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}.pt"
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"{k} differs between {a} and {b}"
+
+
+def snapshot(d: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())} if d.is_dir() else {}
+
+
+def temp_files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if ".tmp-" in p.name) if d.is_dir() else []
+
+
+def popen_train(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def count_rows(run_dir: Path) -> int:
+    try:
+        return (run_dir / "metrics.jsonl").read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def listing(d: Path) -> frozenset:
+    try:
+        return frozenset(os.listdir(d))
+    except FileNotFoundError:
+        return frozenset()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, corpus):
+    """One shard cache for the module, prepared here (in-process) so no test depends on another."""
+    from data.shards import prepare
+
+    d = tmp_path_factory.mktemp("shared")
+    cfg = to_config(overrides(tmp_path_factory.mktemp("prep"), corpus, d))
+    prepare(cfg.data, ROOT, progress=False)
+    return d
+
+
+def overrides(tmp: Path, corpus: Path, cache: Path, extra=()) -> list[str]:
+    args = tiny_overrides(tmp, corpus, extra)
+    return [a if not a.startswith("data.cache_dir=") else f"data.cache_dir={cache}" for a in args]
+
+
+def to_config(args):
+    from omegaconf import OmegaConf
+    return OmegaConf.to_object(compose_config([a for a in args if not a.startswith("hydra.")]))
+
+
+def train_in_process(tmp: Path, corpus: Path, cache: Path, extra=()) -> dict:
+    """training.loop.train in this process (so it can be monkeypatched); run dir tmp/'run'."""
+    from training.loop import train
+
+    run_dir = tmp / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dcfg = compose_config([a for a in overrides(tmp, corpus, cache, extra) if not a.startswith("hydra.")])
+    return train(dcfg, run_dir, "reliability")
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """train() installs SIGTERM/SIGUSR1 handlers and restores them only when it returns normally."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+# ---------------------------------------------------------------- 1. kill -9, many times
+
+KILL_EXTRA = [f"trainer.max_steps={KILL_STEPS}", "trainer.ckpt_every=1", "trainer.keep_last=2",
+              "trainer.log_every=1", "trainer.eval_every=10"]
+
+
+@pytest.fixture(scope="module")
+def straight_kill_run(tmp_path_factory, corpus, cache):
+    """The uninterrupted reference for the kill -9 test (also the keep_last test's run)."""
+    tmp = tmp_path_factory.mktemp("straight")
+    r = run_train(overrides(tmp, corpus, cache, KILL_EXTRA))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "run"
+
+
+def _kill_when(p: subprocess.Popen, run_dir: Path, mode: str, rng: random.Random, deadline: float) -> None:
+    """Wait for the moment `mode` picks (or the process to end), with sub-second jitter."""
+    ckpt_dir = run_dir / "checkpoints"
+    rows0 = count_rows(run_dir)
+    if mode == "startup":  # imports, config, shards, model build, resume: before this attempt's first row
+        end = time.monotonic() + rng.uniform(0.05, 2.5)
+        while p.poll() is None and time.monotonic() < end and count_rows(run_dir) == rows0:
+            time.sleep(0.002)
+        return
+    if mode == "training":  # a row or two logged by this attempt, then jitter: mid-step or mid-save
+        want = rows0 + rng.randint(1, 2)
+        while p.poll() is None and count_rows(run_dir) < want and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, 0.02))
+        return
+    # "checkpoint": the first change in the checkpoints dir (a temp file, a .pt without its
+    # manifest yet, a new manifest, a pruned file), then at most a few ms
+    before = listing(ckpt_dir)
+    while p.poll() is None and listing(ckpt_dir) == before and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    time.sleep(rng.choice([0.0, 0.0, rng.uniform(0.0, 0.01)]))
+
+
+def test_kill_9_at_random_moments_resumes_exactly(tmp_path, corpus, cache, straight_kill_run):
+    """>= 20 SIGKILLs during start-up, training and checkpoint writes; restart with
+    trainer.resume=auto until done: final weights and every step's loss equal a straight run's."""
+    rng = random.Random(1234)
+    args = overrides(tmp_path, corpus, cache, KILL_EXTRA + ["trainer.resume=auto"])
+    run_dir = tmp_path / "run"
+    kills, modes, attempts, leftovers = 0, {"startup": 0, "training": 0, "checkpoint": 0}, 0, set()
+    while True:
+        attempts += 1
+        assert attempts <= 150, f"no completion after {attempts} attempts ({kills} kills)"
+        log = tmp_path / f"attempt_{attempts:03d}.log"
+        p = popen_train(args, log)
+        deadline = time.monotonic() + 120
+        if kills >= MIN_KILLS:  # enough: let this one finish
+            rc = p.wait(timeout=300)
+            assert rc == 0, log.read_text()[-3000:]
+            break
+        mode = rng.choices(["startup", "training", "checkpoint"], weights=[3, 4, 3])[0]
+        _kill_when(p, run_dir, mode, rng, deadline)
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        rc = p.wait(timeout=60)
+        if rc == -signal.SIGKILL:
+            kills += 1
+            modes[mode] += 1
+            leftovers.update(temp_files(run_dir / "checkpoints"))
+            continue
+        assert rc == 0, log.read_text()[-3000:]
+        break  # finished before we killed it
+    print(f"{kills} kills in {attempts} attempts: {modes}; partial temp files left by kills: {len(leftovers)}")
+    assert kills >= MIN_KILLS, f"only {kills} kills landed before the run finished ({modes})"
+    assert min(modes.values()) >= 2, modes  # start-up, training and checkpoint moments all hit
+
+    # the run reached its last step, and resumed at least once from a checkpoint
+    assert "resumed from" in "".join(p.read_text() for p in tmp_path.glob("attempt_*.log"))
+    final = ckpt(run_dir, KILL_STEPS)
+    assert final.is_file()
+    assert_same_weights(final, ckpt(straight_kill_run, KILL_STEPS))
+    mine, ref = losses(run_dir), losses(straight_kill_run)
+    assert sorted(mine) == list(range(1, KILL_STEPS + 1))
+    assert mine == ref
+
+    # nothing in the dir is a complete-looking but broken checkpoint; the partial temp files of
+    # killed processes were ignored by every resume and removed by the next successful save
+    from training.checkpoint import find_resume_checkpoint, list_checkpoints, verify_checkpoint
+
+    complete = list_checkpoints(run_dir)
+    assert complete and complete[0] == final
+    for c in complete:
+        verify_checkpoint(c)
+    assert all(not t.startswith("step_") for t in leftovers)  # temp names never look like checkpoints
+    assert temp_files(run_dir / "checkpoints") == []
+    path, state = find_resume_checkpoint("auto", run_dir)
+    assert path == final and state["step"] == KILL_STEPS
+
+
+# ---------------------------------------------------------------- 2. crash mid-write, damaged files
+
+def test_half_written_and_damaged_checkpoints_are_skipped(tmp_path, corpus, cache):
+    extra = ["trainer.max_steps=8", "trainer.ckpt_every=2", "trainer.keep_last=0"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    r = run_train(overrides(straight, corpus, cache, extra))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_train(overrides(split, corpus, cache, extra + ["trainer.stop_at_step=4"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = split / "run"
+    d = run / "checkpoints"
+    good = ckpt(run, 4)
+    data = good.read_bytes()
+    # a crash inside torch.save of step 5: a partial temp file
+    (d / ".step_00000005.pt.tmp-123").write_bytes(data[: len(data) // 3])
+    # a crash between the .pt rename and the manifest's: step 6 without a manifest (readable!)
+    ckpt(run, 6).write_bytes(data)
+    # bit rot / a torn write: step 7 whose bytes do not match its manifest
+    flipped = bytearray(data)
+    for i in range(len(flipped) // 2, len(flipped) // 2 + 8):
+        flipped[i] ^= 0xFF
+    ckpt(run, 7).write_bytes(bytes(flipped))
+    manifest = json.loads(Path(str(good) + ".json").read_text())
+    Path(str(ckpt(run, 7)) + ".json").write_text(json.dumps({**manifest, "step": 7}))
+
+    r = run_train(overrides(split, corpus, cache, extra + ["trainer.resume=auto"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "skipping damaged checkpoint" in r.stderr and "step_00000007.pt" in r.stderr
+    assert "sha256 does not match" in r.stderr
+    assert f"resumed from {good} at step 4" in r.stdout
+    assert temp_files(d) == []  # the next successful save removed the partial write
+    assert "step_00000006" not in r.stderr  # never considered: no manifest, so not a checkpoint
+    assert_same_weights(ckpt(run, 8), ckpt(straight / "run", 8))
+    assert losses(run) == losses(straight / "run")
+
+
+# ---------------------------------------------------------------- 3. SIGTERM / SIGUSR1
+
+SIGNAL_EXTRA = [f"trainer.max_steps={SIGNAL_STEPS}", "trainer.ckpt_every=1000", "trainer.eval_every=1000",
+                "trainer.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def straight_signal_run(tmp_path_factory, corpus, cache):
+    tmp = tmp_path_factory.mktemp("straight_signal")
+    r = run_train(overrides(tmp, corpus, cache, SIGNAL_EXTRA))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_checkpoints_and_resumes(tmp_path, corpus, cache, straight_signal_run, sig):
+    args = overrides(tmp_path, corpus, cache, SIGNAL_EXTRA)
+    run = tmp_path / "run"
+    log = tmp_path / "signalled.log"
+    p = popen_train(args, log)
+    deadline = time.monotonic() + 120
+    while p.poll() is None and count_rows(run) < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert p.poll() is None, log.read_text()[-3000:]
+    p.send_signal(sig)
+    assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    out = log.read_text()
+    m = re.search(r"stopped at step (\d+) \(signal (\w+)\)", out)
+    assert m, out[-3000:]
+    stopped = int(m.group(1))
+    assert m.group(2) == sig.name and "trainer.resume=auto" in out
+    assert 3 <= stopped < SIGNAL_STEPS
+    from training.checkpoint import list_checkpoints, verify_checkpoint
+    assert list_checkpoints(run) == [ckpt(run, stopped)]  # ckpt_every is 1000: this one is the signal's
+    verify_checkpoint(ckpt(run, stopped))
+    assert max(m["step"] for m in metrics(run)) == stopped
+
+    r = run_train(args + ["trainer.resume=auto"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"at step {stopped}" in r.stdout
+    assert_same_weights(ckpt(run, SIGNAL_STEPS), ckpt(straight_signal_run, SIGNAL_STEPS))
+    assert losses(run) == losses(straight_signal_run)
+
+
+# ---------------------------------------------------------------- 4. non-finite loss / weights
+
+NAN_STEP = 5
+NF_EXTRA = ["trainer.max_steps=8", "trainer.ckpt_every=2", "trainer.keep_last=0", "trainer.eval_every=100"]
+
+
+def nan_at_step(monkeypatch, step: int, on_nan=lambda model: None) -> list:
+    """Make the training loss NaN on the first micro-batch of `step` (1-based); 2 micro-batches a step."""
+    from model.transformer import Transformer
+
+    real, calls, names = Transformer.forward, [0], []
+
+    def forward(self, *a, **k):
+        loss = real(self, *a, **k)
+        if not self.training:  # evaluation
+            return loss
+        calls[0] += 1
+        if calls[0] == 2 * (step - 1) + 1:
+            names.extend(n for n, _ in self.named_parameters())
+            on_nan(self)
+            return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(Transformer, "forward", forward)
+    return names
+
+
+def test_nonfinite_skip_counts_and_keeps_weights_finite(tmp_path, corpus, cache, monkeypatch,
+                                                        keep_signal_handlers, capsys):
+    nan_at_step(monkeypatch, NAN_STEP)
+    train_in_process(tmp_path, corpus, cache, NF_EXTRA + ["trainer.nonfinite=skip"])
+    run = tmp_path / "run"
+    rows = last_row_per_step(run)
+    assert sorted(rows) == list(range(1, 9))
+    assert [rows[s]["skipped_steps"] for s in range(1, 9)] == [0] * (NAN_STEP - 1) + [1] * (9 - NAN_STEP)
+    assert math.isnan(rows[NAN_STEP]["loss"])
+    assert all(math.isfinite(rows[s]["loss"]) for s in rows if s != NAN_STEP)
+    for k, w in weights(ckpt(run, 8)).items():
+        assert torch.isfinite(w).all(), k
+    assert f"step {NAN_STEP}: non-finite gradient, step skipped" in capsys.readouterr().err
+
+
+def test_nonfinite_stop_names_step_and_tensor(tmp_path, corpus, cache, monkeypatch, keep_signal_handlers):
+    from training.errors import TrainingError
+
+    d = tmp_path / "run" / "checkpoints"
+    before = {}
+    names = nan_at_step(monkeypatch, NAN_STEP, on_nan=lambda model: before.update(snapshot(d)))
+    with pytest.raises(TrainingError) as e:
+        train_in_process(tmp_path, corpus, cache, NF_EXTRA + ["trainer.nonfinite=stop"])
+    msg = str(e.value)
+    assert f"step {NAN_STEP}:" in msg and "non-finite" in msg and "trainer.nonfinite=stop" in msg
+    assert any(n in msg for n in names), msg
+    assert sorted(before) == ["step_00000002.pt", "step_00000002.pt.json", "step_00000004.pt",
+                              "step_00000004.pt.json"]
+    assert snapshot(d) == before  # nothing written, nothing touched
+
+
+def test_refuses_to_checkpoint_nonfinite_weights(tmp_path, corpus, cache, monkeypatch, keep_signal_handlers):
+    import training.loop
+    from training.errors import TrainingError
+
+    d = tmp_path / "run" / "checkpoints"
+    before, real_build = {}, training.loop.build_optimizer
+
+    def build(*a, **k):
+        opt = real_build(*a, **k)
+        real_step, n = opt.step, [0]
+
+        def step(*sa, **sk):
+            out = real_step(*sa, **sk)
+            n[0] += 1
+            if n[0] == 3:  # after step 3's update: a NaN in the weights (a bad kernel, a bit flip)
+                before.update(snapshot(d))
+                with torch.no_grad():
+                    opt.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+            return out
+
+        opt.step = step
+        return opt
+
+    monkeypatch.setattr(training.loop, "build_optimizer", build)
+    with pytest.raises(TrainingError, match=r"step 3: refusing to checkpoint .*non-finite weights"):
+        train_in_process(tmp_path, corpus, cache, ["trainer.max_steps=6", "trainer.ckpt_every=1",
+                                                   "trainer.keep_last=0"])
+    assert sorted(before) == ["step_00000001.pt", "step_00000001.pt.json", "step_00000002.pt",
+                              "step_00000002.pt.json"]
+    assert snapshot(d) == before
+
+
+# ---------------------------------------------------------------- 5. disk full while saving
+
+def test_disk_full_while_saving_keeps_previous_checkpoint(tmp_path, corpus, cache, monkeypatch,
+                                                          keep_signal_handlers):
+    """ENOSPC is simulated by patching torch.save (tests run as root: a read-only dir would not stop us)."""
+    import training.checkpoint as ck
+    from training.errors import CheckpointError
+
+    real_save, calls = torch.save, [0]
+
+    def save(obj, f, *a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            f.write(b"PK\x03\x04 half a checkpoint")  # some bytes got out before the disk filled
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ck.torch, "save", save)
+    with pytest.raises(CheckpointError) as e:
+        train_in_process(tmp_path, corpus, cache, ["trainer.max_steps=6", "trainer.ckpt_every=2",
+                                                   "trainer.keep_last=1"])
+    run = tmp_path / "run"
+    msg = str(e.value)
+    assert "No space left on device" in msg and "step_00000004.pt" in msg and "intact" in msg
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_00000002.pt", "step_00000002.pt.json"]
+    ck.verify_checkpoint(ckpt(run, 2))
+    assert ck.find_resume_checkpoint("auto", run)[0] == ckpt(run, 2)
+
+
+# ---------------------------------------------------------------- 6. keep_last
+
+def test_keep_last_keeps_the_newest_complete_checkpoints(straight_kill_run):
+    from training.checkpoint import verify_checkpoint
+
+    names = sorted(os.listdir(straight_kill_run / "checkpoints"))
+    last = [f"step_{KILL_STEPS - 1:08d}.pt", f"step_{KILL_STEPS:08d}.pt"]
+    assert names == [last[0], last[0] + ".json", last[1], last[1] + ".json"]
+    for n in last:
+        verify_checkpoint(straight_kill_run / "checkpoints" / n)
+
+
+# ---------------------------------------------------------------- 7. corrupted shard
+
+def test_token_id_past_vocabulary_names_the_shard(tmp_path, corpus, cache):
+    mine = tmp_path / "cache"
+    shutil.copytree(cache, mine)
+    shard_dir = next(p.parent for p in mine.glob("*/manifest.json"))
+    manifest = json.loads((shard_dir / "manifest.json").read_text())
+    shard = shard_dir / manifest["splits"]["train"][0]["file"]
+    ids = np.memmap(shard, dtype=manifest["dtype"], mode="r+")
+    ids[::7] = manifest["vocab_size"] + 3  # every window sees one
+    ids.flush()
+    del ids
+    r = run_train(overrides(tmp_path, corpus, mine, ["trainer.max_steps=2"]))
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: ") and str(shard) in lines[0] and "vocabulary size" in lines[0]
