@@ -303,14 +303,16 @@ def test_explicit_tokenizer_must_match_the_checkpoint(tmp_path, capsys, swiglu_e
     tok = swiglu_export / "tokenizer.json"
     ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.swiglu)
     state = torch.load(ckpt, weights_only=True)
+    resave = lambda: save_checkpoint(tmp_path / "run", 3, {k: v for k, v in state.items()  # noqa: E731
+                                                           if k not in ("format", "step")})  # new manifest too
     state["data"] = {"tokenizer_sha256": "0" * 64, "vocab_size": 97}
-    torch.save(state, ckpt)
+    resave()
     assert script_main([ckpt, tmp_path / "out", "--tokenizer", tok]) == 2
     assert "is not the one the checkpoint was trained with" in one_error_line(capsys)
     assert script_main([ckpt, tmp_path / "out", "--tokenizer", tmp_path / "missing.json"]) == 2
     assert "does not exist" in one_error_line(capsys)
     state["data"]["tokenizer_sha256"] = None
-    torch.save(state, ckpt)  # no recorded hash: any readable tokenizer is taken
+    resave()  # no recorded hash: any readable tokenizer is taken
     assert script_main([ckpt, tmp_path / "out", "--tokenizer", tok]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 0
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == tok.read_bytes()
