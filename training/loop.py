@@ -52,7 +52,7 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
     loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed)
     val_batches = TokenLoader(shard_dir, manifest, "val", t.seq_len, t.micro_batch_size, t.seed).fixed_batches(t.eval_batches)
 
-    start, elapsed0 = 0, 0.0
+    start, elapsed0, skipped0 = 0, 0.0, 0
     resumed = find_resume_checkpoint(t.resume, run_dir)
     if resumed is not None:
         path, state = resumed
@@ -62,7 +62,7 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
-        start, elapsed0 = state["step"], state.get("elapsed_s", 0.0)
+        start, elapsed0, skipped0 = state["step"], state.get("elapsed_s", 0.0), state.get("skipped_steps", 0)
         print(f"resumed from {path} at step {start}")
 
     resolved = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
@@ -88,7 +88,7 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
         save_checkpoint(run_dir, done, keep_last=t.keep_last, state={
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
             "rng": rng_state(), "model_shape": model_shape(model), "config": resolved,
-            "elapsed_s": meter.elapsed(),
+            "elapsed_s": meter.elapsed(), "skipped_steps": skipped,
             "data": {"tokenizer_sha256": manifest.tokenizer_sha256, "vocab_size": manifest.vocab_size}})
 
     def evaluate() -> float:
@@ -100,7 +100,7 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
 
     meter = Throughput(device, size.flops_per_token, tokens_per_step, elapsed_offset=elapsed0)
     val_loss = train_loss = float("nan")
-    speeds, last_row, skipped = [], {}, 0
+    speeds, last_row, skipped = [], {}, skipped0
     stop = StopSignal()  # SIGTERM / SIGUSR1 (preemption): checkpoint at the next step boundary, exit 0
     try:
         bar = tqdm(total=steps, initial=start, disable=not t.progress, desc=f"{cfg.name}/{cfg.ffn.kind.value}",
