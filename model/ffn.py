@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import FFNKind
-from .sparse24 import Sparse24Recipe, mask_2to4, srelu24_ffn
+from .sparse24 import Sparse24Recipe, srelu24_ffn
 from .stats import N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, sparse24_sums
 
 
@@ -74,7 +74,7 @@ class SReLU24(SReLU):
         a = self.activation(x)
         if self.collect_stats:  # dense warmup: what 2:4 would drop
             d = a.detach()
-            self.stats += sparse24_sums(d, mask_2to4(d), self.recipe.dense_feature_fraction, sparse=False)
+            self.stats += sparse24_sums(d, None, self.recipe.dense_feature_fraction, sparse=False)
         return self.w2(a)
 
 

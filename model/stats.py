@@ -16,8 +16,12 @@ srelu24 only (also during the dense warmup, where they say what 2:4 *would* drop
   dense split (the top `dense_feature_fraction`), i.e. the threshold that split applies;
 - sparse24: 1 when the layer runs 2:4, 0 in the dense warmup.
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
+
+from .mask24 import mask_2to4
 
 SWIGLU_ZERO_THRESHOLD = 1e-3
 DENSE_FEATURE_DENSITY = 0.5
@@ -35,9 +39,9 @@ def _dense_sums(a: Tensor, threshold: float) -> Tensor:
                          torch.stack([one * a.numel(), zeros.double(), one]))
 
 
-def _sparse24_sums(a: Tensor, mask: Tensor, k: int, sparse: bool) -> Tensor:
+def _sparse24_sums(a: Tensor, mask: Optional[Tensor], k: int, sparse: bool) -> Tensor:
     a = a.reshape(-1, a.shape[-1])
-    mask = mask.reshape(a.shape)
+    mask = mask_2to4(a) if mask is None else mask.reshape(a.shape)  # None: selected here, in the fused pass
     nz = a != 0
     fed_nz = nz & mask if sparse else nz  # non-zeros of what feeds W2
     density = fed_nz.sum(0, dtype=torch.float32) / a.shape[0]  # per feature, along tokens
@@ -70,8 +74,9 @@ def dense_activation_sums(a: Tensor, threshold: float = 0.0) -> Tensor:
 
 
 @torch.compiler.disable
-def sparse24_sums(a: Tensor, mask: Tensor, dense_fraction: float, sparse: bool) -> Tensor:
-    """Sums for srelu24: a = relu(Z)^2 [..., F] before the 2:4 selection, mask its 2:4 mask."""
+def sparse24_sums(a: Tensor, mask: Optional[Tensor], dense_fraction: float, sparse: bool) -> Tensor:
+    """Sums for srelu24: a = relu(Z)^2 [..., F] before the 2:4 selection, mask its 2:4 mask
+    (None: computed here, inside the fused pass on CUDA)."""
     k = max(1, int(round(dense_fraction * a.shape[-1])))
     return (_fused(_sparse24_sums) if a.is_cuda else _sparse24_sums)(a, mask, k, sparse)
 
