@@ -1,0 +1,23 @@
+"""scripts/bench_step.py runs the real model and optimizer; on CPU it must still produce a
+complete table and JSON (the GPU figures go to benchmarks/RESULTS.md)."""
+import json
+import subprocess
+import sys
+
+from helpers import ROOT
+
+
+def test_ffn_sweep_on_cpu_writes_every_variant(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--ffn-sweep", "--steps", "1",
+                        "--warmup", "1", "--device", "cpu", "--layers", "1", "--out", str(out), "+experiment=demo"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [x["ffn"] for x in results] == ["swiglu", "srelu", "srelu24"]
+    for x in results:
+        assert x["n_layers"] == 1 and x["layers_cut_from"] == 4  # the cut is recorded
+        assert x["tokens_per_s"] > 0 and abs(x["step_ms"] - (x["data_ms"] + x["forward_ms"] + x["backward_ms"]
+                                                             + x["optimizer_ms"])) < 1e-6
+        assert x["mfu"] is None  # no MFU on CPU
+    assert "layers cut to 1 of 4" in r.stdout and "| srelu24 |" in r.stdout
