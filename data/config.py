@@ -17,6 +17,9 @@ class DataConfig:
     # stdlib: extra source trees whose .py files are added to the standard library's
     roots: List[str] = field(default_factory=list)
     include_stdlib: bool = True
+    # stdlib: also the running Python's installed packages (site-packages), e.g. a GPU machine's
+    # torch, transformers, numpy... sources: a larger offline code corpus
+    include_site_packages: bool = False
     # files: paths or globs of .txt, .jsonl/.json or .parquet files
     paths: List[str] = field(default_factory=list)
     # hub: dataset path and config name, e.g. HuggingFaceFW/fineweb-edu, sample-10BT

@@ -2,6 +2,7 @@
 import glob
 import itertools
 import os
+import site
 import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator, List
@@ -26,7 +27,9 @@ def describe_source(cfg: DataConfig) -> str:
     """Human-readable account of what is read; stored in the manifest to detect a changed corpus."""
     src = source_of(cfg)
     if src is Source.stdlib:
-        what = f"stdlib(include_stdlib={cfg.include_stdlib}, roots={list(cfg.roots)})"
+        # include_site_packages named only when on: caches prepared before it existed stay valid
+        site_dirs = "include_site_packages=True, " if cfg.include_site_packages else ""
+        what = f"stdlib(include_stdlib={cfg.include_stdlib}, {site_dirs}roots={list(cfg.roots)})"
     elif src is Source.files:
         what = f"files(paths={list(cfg.paths)}, text_field={cfg.text_field!r})"
     else:
@@ -60,6 +63,9 @@ def list_python_files(cfg: DataConfig, base_dir: Path) -> List[Path]:
     roots = []
     if cfg.include_stdlib:
         roots.append(Path(sysconfig.get_paths()["stdlib"]))
+    if cfg.include_site_packages:
+        # every global site directory (Debian has several), not just sysconfig's purelib
+        roots += [Path(p) for p in site.getsitepackages() if Path(p).is_dir()]
     for r in cfg.roots:
         p = Path(r) if Path(r).is_absolute() else Path(base_dir) / r
         if not p.exists():

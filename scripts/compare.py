@@ -127,8 +127,18 @@ def label_runs(rows: list[dict]) -> None:
         clash = sum(x["run"] == r["run"] for x in rows) > 1
         r["name"] = f"{r['_dir'].parent.name}_{r['run']}" if clash else r["run"]
     for r in rows:
+        # a multirun job dir is "<job number>_<choice>" (e.g. 3_srelu24_no_permutation): the choice
+        # names an ablation better than the FFN kind does
+        r["choice"] = re.sub(r"^\d+_", "", r["run"])
+    for r in rows:
         repeated = sum(x["variant"] == r["variant"] for x in rows) > 1
-        r["label"] = f"{r['variant']} ({r['name']})" if repeated else r["variant"]
+        choice_unique = sum(x["choice"] == r["choice"] for x in rows) == 1 and r["choice"] != r["run"]
+        if not repeated:
+            r["label"] = r["variant"]
+        elif choice_unique:
+            r["label"] = r["choice"]
+        else:
+            r["label"] = f"{r['variant']} ({r['name']})"
 
 
 def line_plot(rows: list[dict], y: str, x: str, xlabel: str, ylabel: str, path: Path) -> bool:

@@ -127,3 +127,15 @@ def test_steady_state_window_and_resumed_steps(tmp_path):
     assert s["act_sparsity"] == pytest.approx(0.3)
     assert s["peak_mem_gib"] == 2.0
     assert compare.steady([5.0]) == [5.0] and compare.steady([5.0, 6.0]) == [6.0]
+
+
+def test_ablations_of_one_variant_are_labelled_by_their_sweep_choice(tmp_path):
+    """The study's multirun: four srelu24 jobs are told apart by their job dir's choice name."""
+    runs = ["0_swiglu", "2_srelu24", "3_srelu24_no_permutation", "5_srelu24_no_dense_warmup"]
+    rows = [{"run": r, "variant": r.split("_")[1], "_dir": tmp_path / r} for r in runs]
+    compare.label_runs(rows)
+    assert [r["label"] for r in rows] == ["swiglu", "srelu24", "srelu24_no_permutation", "srelu24_no_dense_warmup"]
+    # plain run dirs (no job number) of the same variant keep "variant (run)"
+    rows = [{"run": r, "variant": "srelu", "_dir": tmp_path / "x" / r} for r in ("a", "b")]
+    compare.label_runs(rows)
+    assert [r["label"] for r in rows] == ["srelu (a)", "srelu (b)"]

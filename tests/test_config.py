@@ -14,7 +14,7 @@ def test_experiment_list_is_complete():
 def test_every_experiment_composes(experiment):
     cfg = to_object(compose_config([f"+experiment={experiment}"]))
     assert cfg.name == experiment
-    if experiment != "demo":
+    if experiment != "demo" and not experiment.startswith("study_"):
         variant, scale = experiment.split("_")
         assert cfg.ffn.kind == {"swiglu": FFNKind.swiglu, "srelu": FFNKind.srelu, "sparse": FFNKind.srelu24}[variant]
         assert cfg.model.name == scale
@@ -43,6 +43,34 @@ def test_recipe_switches_are_settable():
     f = cfg.ffn
     assert (f.token_permutation, f.reuse_forward_mask, f.dense_warmup_steps, f.dense_feature_fraction) == (
         False, False, 0, 0.1)
+
+
+STUDY_VARIANTS = {  # variant -> (ffn kind, token_permutation, reuse_forward_mask, dense warmup)
+    "swiglu": (FFNKind.swiglu, True, True, 300),
+    "srelu": (FFNKind.srelu, True, True, 300),
+    "srelu24": (FFNKind.srelu24, True, True, 300),
+    "srelu24_no_permutation": (FFNKind.srelu24, False, True, 300),
+    "srelu24_no_mask_reuse": (FFNKind.srelu24, True, False, 300),
+    "srelu24_no_dense_warmup": (FFNKind.srelu24, True, True, 0),
+}
+
+
+def test_study_sweeps_six_variants_with_one_seed_and_budget():
+    """`python train.py -m +experiment=study_small` runs exactly these six, differing only in the FFN."""
+    from hydra import compose, initialize_config_dir
+
+    from helpers import ROOT
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        dcfg = compose("config", overrides=["+experiment=study_small"], return_hydra_config=True)
+    assert dcfg.hydra.sweeper.params.variant.split(",") == list(STUDY_VARIANTS)
+    common = None
+    for variant, (kind, perm, reuse, warmup) in STUDY_VARIANTS.items():
+        cfg = to_object(compose_config(["+experiment=study_small", f"variant={variant}"]))
+        f = cfg.ffn
+        assert (f.kind, f.token_permutation, f.reuse_forward_mask, f.dense_warmup_steps) == (kind, perm, reuse, warmup)
+        rest = (cfg.model, cfg.data, cfg.optim, cfg.trainer)
+        assert common is None or rest == common  # same shapes, data, seed, schedule and budget
+        common = rest
 
 
 def test_cfg_job_prints_composed_config():

@@ -250,6 +250,16 @@ def test_stdlib_listing():
     assert list_python_files(cfg, Path(".")) == files  # deterministic
 
 
+def test_site_packages_listing():
+    """include_site_packages reads the installed packages' sources too (the GPU study's corpus)."""
+    cfg = DataConfig(include_stdlib=False, include_site_packages=True)
+    files = list_python_files(cfg, Path("."))
+    import hydra  # installed in every environment that runs the tests
+    assert Path(hydra.__file__) in files
+    both = list_python_files(DataConfig(include_stdlib=True, include_site_packages=True), Path("."))
+    assert len(both) == len(set(both)) > len(files)
+
+
 def test_roots_skip_caches_and_empty_files(tmp_path):
     _write_py_corpus(tmp_path / "corpus")
     names = [f.name for f in list_python_files(_cfg(tmp_path), tmp_path)]
