@@ -26,7 +26,7 @@ demo: venv
 	$(PY) scripts/compare.py $(DEMO_DIR)
 	@for ckpts in $(DEMO_DIR)/*/checkpoints; do \
 		echo; echo "== sample from $$(dirname $$ckpts)"; \
-		$(PY) scripts/sample.py "$$(ls $$ckpts/step_*.pt | tail -n 1)" "def main(" \
+		$(PY) scripts/sample.py "$$(ls -d $$ckpts/step_* | tail -n 1)" "def main(" \
 			--max-new-tokens 60 --temperature 0.8 --seed 0 || exit 1; \
 	done
 

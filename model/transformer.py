@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .config import FFNConfig, FFNKind, ModelConfig, ffn_hidden_dim
 from .ffn import SReLU24, build_ffn
@@ -125,6 +126,16 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def _init(p: Tensor, fill) -> None:
+    """Fill the whole tensor on the default device (the CPU, so its RNG; nothing under a meta
+    device context), then keep this process's part of it: the same seed gives the same weights
+    on any device, sharded (an FSDP DTensor) or not."""
+    full = fill(torch.empty(p.shape, dtype=p.dtype))
+    if isinstance(p, DTensor):
+        full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    p.copy_(full)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, ffn: FFNConfig, vocab_size: int):
         super().__init__()
@@ -150,15 +161,17 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for layer in self.layers:  # to_empty() leaves the statistics buffers uninitialised too
+            layer.feed_forward.stats.zero_()
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                nn.init.ones_(p)
+                _init(p, nn.init.ones_)
             elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, 0.0, residual_std)
+                _init(p, lambda t: nn.init.normal_(t, 0.0, residual_std))
             else:
-                nn.init.normal_(p, 0.0, std)
+                _init(p, lambda t: nn.init.normal_(t, 0.0, std))
 
     def set_sparse24(self, active: bool) -> None:
         """Switch the srelu24 FFNs between the dense warmup and 2:4 (no-op for other FFNs)."""

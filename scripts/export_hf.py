@@ -1,6 +1,6 @@
 """Export a checkpoint as safetensors + config (the format: training/export.py's docstring).
 
-    python scripts/export_hf.py runs/.../checkpoints/step_00001000.pt exports/my_model
+    python scripts/export_hf.py runs/.../checkpoints/step_00001000 exports/my_model
     python scripts/export_hf.py runs/.../my_run exports/my_model --dtype bf16   # its newest checkpoint
 
 swiglu -> a Hugging Face LlamaForCausalLM directory (config.json, model.safetensors);
@@ -20,7 +20,7 @@ from training.export import DTYPES, ExportError, export_checkpoint  # noqa: E402
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", type=Path, help="a checkpoint file (step_*.pt) or a run directory (its newest)")
+    p.add_argument("checkpoint", type=Path, help="a checkpoint (<run>/checkpoints/step_XXXXXXXX) or a run directory (its newest)")
     p.add_argument("out_dir", type=Path, help="the export directory (created; must be empty unless --force)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
     p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR, replacing an earlier export")

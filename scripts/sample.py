@@ -1,6 +1,6 @@
 """Generate text from a checkpoint, with the KV cache (model/generate.py).
 
-    python scripts/sample.py runs/demo/checkpoints/step_00001000.pt "def fibonacci(n):"
+    python scripts/sample.py runs/demo/<time>/checkpoints/step_00001000 "def fibonacci(n):"
     python scripts/sample.py CKPT "import os" --temperature 0.8 --top-k 50 --num-samples 3 --seed 1
     python scripts/sample.py CKPT "x = " --temperature 0            # greedy
 
@@ -45,7 +45,7 @@ def config_of(cls, values: dict):
 
 
 def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
-    if not path.is_file():
+    if not path.exists():
         raise SampleError(f"checkpoint {path} does not exist")
     try:
         state = load_checkpoint(path)
@@ -66,7 +66,7 @@ def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
 def find_tokenizer(ckpt: Path, given: Optional[str]) -> Path:
     if given:
         return Path(given)
-    run_dir = ckpt.resolve().parent.parent  # <run>/checkpoints/step_*.pt
+    run_dir = ckpt.resolve().parent.parent  # <run>/checkpoints/step_XXXXXXXX
     info = run_dir / "run_info.json"
     if not info.is_file():
         raise SampleError(f"no {info} to find the tokenizer from; pass --tokenizer PATH/tokenizer.json")
@@ -91,7 +91,7 @@ def sparsity_note(model: Transformer, state: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="a step_*.pt file of a run")
+    p.add_argument("checkpoint", help="a checkpoint directory of a run (<run>/checkpoints/step_XXXXXXXX)")
     p.add_argument("prompt", help="the text to continue (may be empty)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")

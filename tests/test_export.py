@@ -16,7 +16,7 @@ from data.tokenizer import EOT, load_tokenizer
 from helpers import ROOT, run_train, tiny_overrides, write_corpus
 from model import FFNConfig, FFNKind, ModelConfig, Transformer
 from model.ffn import SReLU24
-from training.checkpoint import model_shape, save_checkpoint
+from training.checkpoint import load_checkpoint, model_shape, save_checkpoint
 from training.export import ExportError, export_checkpoint, from_hf_name, load_exported, model_from_checkpoint, to_hf_name
 from training.export import FORMAT_NAME
 
@@ -60,7 +60,7 @@ def train_run(tmp: Path, corpus: Path, cache: Path, extra: list[str]) -> Path:
     args = [a if not a.startswith("data.cache_dir=") else f"data.cache_dir={cache}" for a in tiny_overrides(tmp, corpus)]
     r = run_train(args + ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.ckpt_every=4", *extra])
     assert r.returncode == 0, r.stderr[-3000:]
-    ckpts = sorted((tmp / "run" / "checkpoints").glob("step_*.pt"))
+    ckpts = sorted((tmp / "run" / "checkpoints").glob("step_*"))
     assert ckpts
     return ckpts[-1]
 
@@ -167,7 +167,7 @@ def test_srelu24_export_round_trips_bit_exact_in_2to4_mode(tmp_path, srelu24_ckp
     assert sorted(p.name for p in out.iterdir()) == [
         "model.safetensors", "sparse24_config.json", "tokenizer.json", "tokenizer_config.json"]
     c = json.loads((out / "sparse24_config.json").read_text())
-    state = torch.load(srelu24_ckpt, weights_only=True)
+    state = load_checkpoint(srelu24_ckpt)
     assert c["format"] == FORMAT_NAME and c["version"] == 1 and c["sparse24_active"] is True
     assert c["model"] == state["config"]["model"] and c["ffn"] == state["config"]["ffn"]
     assert c["vocab_size"] == 512 and c["dtype"] == "float32" and c["source"]["step"] == state["step"]
@@ -259,11 +259,16 @@ def test_missing_checkpoint(tmp_path, capsys):
 
 
 def test_unreadable_checkpoint(tmp_path, capsys):
-    bad = tmp_path / "step_00000001.pt"
-    bad.write_bytes(b"not a checkpoint")
-    assert script_main([bad, tmp_path / "out"]) == 2
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
+    (ckpt / "manifest.json").unlink()  # so that the damage below is found by reading, not by sha256
+    (ckpt / ".metadata").write_bytes(b"not a checkpoint")
+    assert script_main([ckpt, tmp_path / "out"]) == 2
     assert "cannot read checkpoint" in one_error_line(capsys)
-    torch.save({"something": 1}, bad)
+    (ckpt / "train_state.json").write_text('{"something": 1}')
+    assert script_main([ckpt, tmp_path / "out"]) == 2
+    assert "not a checkpoint" in one_error_line(capsys)
+    bad = tmp_path / "step_00000001.pt"  # a file: the single-file format of older versions
+    bad.write_bytes(b"not a checkpoint")
     assert script_main([bad, tmp_path / "out"]) == 2
     assert "not a checkpoint" in one_error_line(capsys)
     assert not (tmp_path / "out").exists()
@@ -302,9 +307,9 @@ def test_load_exported_errors(tmp_path):
 def test_explicit_tokenizer_must_match_the_checkpoint(tmp_path, capsys, swiglu_export):
     tok = swiglu_export / "tokenizer.json"
     ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.swiglu)
-    state = torch.load(ckpt, weights_only=True)
+    state = load_checkpoint(ckpt)
     resave = lambda: save_checkpoint(tmp_path / "run", 3, {k: v for k, v in state.items()  # noqa: E731
-                                                           if k not in ("format", "step")})  # new manifest too
+                                                           if k not in ("format", "step", "world_size")})
     state["data"] = {"tokenizer_sha256": "0" * 64, "vocab_size": 97}
     resave()
     assert script_main([ckpt, tmp_path / "out", "--tokenizer", tok]) == 2

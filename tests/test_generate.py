@@ -192,12 +192,12 @@ def sample(*args) -> subprocess.CompletedProcess:
 def test_sample_cli(run_dir):
     ckpts = run_dir / "checkpoints"
     prompt = "def function_3_4(value"
-    r = sample(ckpts / "step_00000008.pt", prompt, "--temperature", 0, "--max-new-tokens", 24)
+    r = sample(ckpts / "step_00000008", prompt, "--temperature", 0, "--max-new-tokens", 24)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(prompt) and len(r.stdout.strip()) > len(prompt) + 5
     assert "2:4 sparsity on (step 8 >= ffn.dense_warmup_steps=6)" in r.stderr
 
-    r = sample(ckpts / "step_00000004.pt", "", "--seed", 3, "--top-k", 20, "--num-samples", 2,
+    r = sample(ckpts / "step_00000004", "", "--seed", 3, "--top-k", 20, "--num-samples", 2,
                "--max-new-tokens", 16, "--tokenizer", tokenizer_of(run_dir))
     assert r.returncode == 0, r.stderr
     assert "dense, 2:4 off (step 4 < ffn.dense_warmup_steps=6)" in r.stderr
@@ -209,6 +209,6 @@ def test_sample_cli_errors(run_dir, tmp_path):
     r = sample(tmp_path / "nope.pt", "x")
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: checkpoint") and "nope.pt" in r.stderr
-    r = sample(run_dir / "checkpoints" / "step_00000008.pt", "x", "--tokenizer", tmp_path / "tok.json")
+    r = sample(run_dir / "checkpoints" / "step_00000008", "x", "--tokenizer", tmp_path / "tok.json")
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:") and "tok.json" in r.stderr

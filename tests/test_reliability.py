@@ -44,11 +44,13 @@ def losses(run_dir: Path) -> dict:
 
 
 def weights(ckpt: Path) -> dict:
-    return torch.load(ckpt, weights_only=True, map_location="cpu")["model"]
+    from training.checkpoint import load_checkpoint
+
+    return load_checkpoint(ckpt)["model"]
 
 
 def ckpt(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step:08d}.pt"
+    return run_dir / "checkpoints" / f"step_{step:08d}"
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -59,11 +61,16 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 def snapshot(d: Path) -> dict:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir())} if d.is_dir() else {}
+    """Every file under d (checkpoint directories included): relative path -> bytes."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()} if d.is_dir() else {}
+
+
+def entries(d: Path) -> list[str]:
+    return sorted(os.listdir(d))
 
 
 def temp_files(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir() if ".tmp-" in p.name) if d.is_dir() else []
+    return sorted(p.name for p in d.iterdir() if p.name.endswith(".tmp")) if d.is_dir() else []
 
 
 def popen_train(args: list[str], log: Path) -> subprocess.Popen:
@@ -125,8 +132,8 @@ def train_in_process(tmp: Path, corpus: Path, cache: Path, extra=()) -> dict:
 
 @pytest.fixture
 def keep_signal_handlers():
-    """train() installs SIGTERM/SIGUSR1 handlers and restores them only when it returns normally."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    """train() installs SIGTERM/SIGUSR1/SIGUSR2 handlers and restores them only when it returns normally."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
     yield
     for s, h in saved.items():
         signal.signal(s, h)
@@ -162,8 +169,8 @@ def _kill_when(p: subprocess.Popen, run_dir: Path, mode: str, rng: random.Random
             time.sleep(0.002)
         time.sleep(rng.uniform(0.0, 0.02))
         return
-    # "checkpoint": the first change in the checkpoints dir (a temp file, a .pt without its
-    # manifest yet, a new manifest, a pruned file), then at most a few ms
+    # "checkpoint": the first change in the checkpoints dir (a new temp directory, the rename of a
+    # complete one, a pruned one), then at most a few ms
     before = listing(ckpt_dir)
     while p.poll() is None and listing(ckpt_dir) == before and time.monotonic() < deadline:
         time.sleep(0.0005)
@@ -206,7 +213,7 @@ def test_kill_9_at_random_moments_resumes_exactly(tmp_path, corpus, cache, strai
     # the run reached its last step, and resumed at least once from a checkpoint
     assert "resumed from" in "".join(p.read_text() for p in tmp_path.glob("attempt_*.log"))
     final = ckpt(run_dir, KILL_STEPS)
-    assert final.is_file()
+    assert final.is_dir()
     assert_same_weights(final, ckpt(straight_kill_run, KILL_STEPS))
     mine, ref = losses(run_dir), losses(straight_kill_run)
     assert sorted(mine) == list(range(1, KILL_STEPS + 1))
@@ -238,26 +245,30 @@ def test_half_written_and_damaged_checkpoints_are_skipped(tmp_path, corpus, cach
     run = split / "run"
     d = run / "checkpoints"
     good = ckpt(run, 4)
-    data = good.read_bytes()
-    # a crash inside torch.save of step 5: a partial temp file
-    (d / ".step_00000005.pt.tmp-123").write_bytes(data[: len(data) // 3])
-    # a crash between the .pt rename and the manifest's: step 6 without a manifest (readable!)
-    ckpt(run, 6).write_bytes(data)
+    shards = sorted(good.glob("*.distcp"))
+    assert shards
+    # a crash in the middle of writing step 5: a temp directory with a partial shard
+    part = d / ".step_00000005.tmp"
+    part.mkdir()
+    (part / shards[0].name).write_bytes(shards[0].read_bytes()[: shards[0].stat().st_size // 3])
+    # a directory that looks like step 6 but has no manifest (copied by hand, say): not complete
+    shutil.copytree(good, ckpt(run, 6))
+    (ckpt(run, 6) / "manifest.json").unlink()
     # bit rot / a torn write: step 7 whose bytes do not match its manifest
-    flipped = bytearray(data)
+    shutil.copytree(good, ckpt(run, 7))
+    flipped = bytearray((ckpt(run, 7) / shards[0].name).read_bytes())
     for i in range(len(flipped) // 2, len(flipped) // 2 + 8):
         flipped[i] ^= 0xFF
-    ckpt(run, 7).write_bytes(bytes(flipped))
-    manifest = json.loads(Path(str(good) + ".json").read_text())
-    Path(str(ckpt(run, 7)) + ".json").write_text(json.dumps({**manifest, "step": 7}))
+    (ckpt(run, 7) / shards[0].name).write_bytes(bytes(flipped))
 
     r = run_train(overrides(split, corpus, cache, extra + ["trainer.resume=auto"]))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "skipping damaged checkpoint" in r.stderr and "step_00000007.pt" in r.stderr
-    assert "sha256 does not match" in r.stderr
+    assert "skipping damaged checkpoint" in r.stderr and "step_00000007" in r.stderr
+    assert f"the sha256 of {shards[0].name} does not match its manifest" in r.stderr
     assert f"resumed from {good} at step 4" in r.stdout
     assert temp_files(d) == []  # the next successful save removed the partial write
     assert "step_00000006" not in r.stderr  # never considered: no manifest, so not a checkpoint
+    assert (ckpt(run, 6) / "manifest.json").is_file()  # step 6 was saved again, over the incomplete one
     assert_same_weights(ckpt(run, 8), ckpt(straight / "run", 8))
     assert losses(run) == losses(straight / "run")
 
@@ -359,9 +370,8 @@ def test_nonfinite_stop_names_step_and_tensor(tmp_path, corpus, cache, monkeypat
     msg = str(e.value)
     assert f"step {NAN_STEP}:" in msg and "non-finite" in msg and "trainer.nonfinite=stop" in msg
     assert any(n in msg for n in names), msg
-    assert sorted(before) == ["step_00000002.pt", "step_00000002.pt.json", "step_00000004.pt",
-                              "step_00000004.pt.json"]
-    assert snapshot(d) == before  # nothing written, nothing touched
+    assert sorted({k.split("/")[0] for k in before}) == ["step_00000002", "step_00000004"]
+    assert snapshot(d) == before and entries(d) == ["step_00000002", "step_00000004"]  # nothing written or touched
 
 
 def test_refuses_to_checkpoint_nonfinite_weights(tmp_path, corpus, cache, monkeypatch, keep_signal_handlers):
@@ -391,36 +401,52 @@ def test_refuses_to_checkpoint_nonfinite_weights(tmp_path, corpus, cache, monkey
     with pytest.raises(TrainingError, match=r"step 3: refusing to checkpoint .*non-finite weights"):
         train_in_process(tmp_path, corpus, cache, ["trainer.max_steps=6", "trainer.ckpt_every=1",
                                                    "trainer.keep_last=0"])
-    assert sorted(before) == ["step_00000001.pt", "step_00000001.pt.json", "step_00000002.pt",
-                              "step_00000002.pt.json"]
-    assert snapshot(d) == before
+    assert sorted({k.split("/")[0] for k in before}) == ["step_00000001", "step_00000002"]
+    assert snapshot(d) == before and entries(d) == ["step_00000001", "step_00000002"]
 
 
 # ---------------------------------------------------------------- 5. disk full while saving
 
+@pytest.mark.parametrize("where", ["tensors", "rank_state"])
 def test_disk_full_while_saving_keeps_previous_checkpoint(tmp_path, corpus, cache, monkeypatch,
-                                                          keep_signal_handlers):
-    """ENOSPC is simulated by patching torch.save (tests run as root: a read-only dir would not stop us)."""
+                                                          keep_signal_handlers, where):
+    """ENOSPC is simulated (tests run as root: a read-only dir would not stop us) inside DCP's file
+    writer (the model/optimizer shards) or in the write of the rank's own state."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
     import training.checkpoint as ck
     from training.errors import CheckpointError
 
-    real_save, calls = torch.save, [0]
+    def full(f):  # some bytes got out before the disk filled
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    def save(obj, f, *a, **k):
-        calls[0] += 1
-        if calls[0] == 2:
-            f.write(b"PK\x03\x04 half a checkpoint")  # some bytes got out before the disk filled
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(obj, f, *a, **k)
+    if where == "tensors":
+        real = dcp_fs._write_item
 
-    monkeypatch.setattr(ck.torch, "save", save)
+        def write_item(transforms, stream, *a, **k):
+            if "step_00000004" in str(getattr(stream, "name", "")):
+                full(stream)
+            return real(transforms, stream, *a, **k)
+
+        monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    else:
+        real = ck._write
+
+        def write(path, fn):
+            if "step_00000004" in str(path) and path.name.startswith("rank_"):
+                with open(path, "wb") as f:
+                    full(f)
+            return real(path, fn)
+
+        monkeypatch.setattr(ck, "_write", write)
     with pytest.raises(CheckpointError) as e:
         train_in_process(tmp_path, corpus, cache, ["trainer.max_steps=6", "trainer.ckpt_every=2",
                                                    "trainer.keep_last=1"])
     run = tmp_path / "run"
     msg = str(e.value)
-    assert "No space left on device" in msg and "step_00000004.pt" in msg and "intact" in msg
-    assert sorted(os.listdir(run / "checkpoints")) == ["step_00000002.pt", "step_00000002.pt.json"]
+    assert "No space left on device" in msg and "step_00000004" in msg and "intact" in msg, msg
+    assert entries(run / "checkpoints") == ["step_00000002"]  # the temp directory is gone
     ck.verify_checkpoint(ckpt(run, 2))
     assert ck.find_resume_checkpoint("auto", run)[0] == ckpt(run, 2)
 
@@ -430,9 +456,8 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(tmp_path, corpus, cach
 def test_keep_last_keeps_the_newest_complete_checkpoints(straight_kill_run):
     from training.checkpoint import verify_checkpoint
 
-    names = sorted(os.listdir(straight_kill_run / "checkpoints"))
-    last = [f"step_{KILL_STEPS - 1:08d}.pt", f"step_{KILL_STEPS:08d}.pt"]
-    assert names == [last[0], last[0] + ".json", last[1], last[1] + ".json"]
+    last = [f"step_{KILL_STEPS - 1:08d}", f"step_{KILL_STEPS:08d}"]
+    assert entries(straight_kill_run / "checkpoints") == last
     for n in last:
         verify_checkpoint(straight_kill_run / "checkpoints" / n)
 

@@ -32,6 +32,18 @@ class OptimConfig:
     fused: Optional[bool] = None  # None: fused AdamW on CUDA
 
 
+class Strategy(str, Enum):
+    none = "none"  # one process; under torchrun / SLURM with several processes this is an error
+    ddp = "ddp"    # DistributedDataParallel: a full replica per rank, gradients all-reduced
+    fsdp = "fsdp"  # FSDP2 fully_shard: parameters, gradients and optimizer state sharded per block
+
+
+class ActivationCheckpointing(str, Enum):
+    none = "none"
+    selective = "selective"  # every other block (0, 2, 4, ...) recomputed in backward
+    full = "full"            # every block recomputed in backward
+
+
 @dataclass
 class TrainerConfig:
     seed: int = 1337
@@ -47,10 +59,13 @@ class TrainerConfig:
     ckpt_every: int = 500
     keep_last: int = 3           # checkpoints kept in the run dir (0: all); older ones are deleted after a save
     nonfinite: str = "skip"      # a non-finite loss or gradient: skip (the step, counted) | stop (with the tensor)
-    resume: str = "none"         # none | auto (the latest valid checkpoint in the run dir) | a path
+    resume: str = "none"         # none | auto (the latest valid checkpoint in the run dir) | a checkpoint dir
     device: str = "auto"         # auto | cpu | cuda | cuda:N
     precision: str = "auto"      # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
-    compile: bool = False
+    compile: bool = False        # torch.compile per block
+    strategy: Strategy = Strategy.none  # none | ddp | fsdp (docs/DISTRIBUTED.md)
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none  # none | selective | full
+    dist_timeout_s: int = 1800   # a collective that waits longer than this ends the run (a lost rank)
     dry_run: bool = False        # build on the meta device, print sizes and FLOPs, exit
     progress: bool = True
     num_threads: int = 0         # CPU threads for torch; 0 leaves torch's default

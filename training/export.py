@@ -47,7 +47,7 @@ from data.tokenizer import EOT, load_tokenizer, tokenizer_sha256
 from model import FFNConfig, FFNKind, ModelConfig, Transformer, ffn_hidden_dim
 from model.transformer import HF_NAMES
 
-from .checkpoint import list_checkpoints, load_checkpoint
+from .checkpoint import is_checkpoint, list_checkpoints, load_checkpoint
 from .errors import CheckpointError
 
 FORMAT_NAME, FORMAT_VERSION = "sparse24", 1
@@ -97,16 +97,17 @@ def _dataclass_from(cls, d: dict):
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint file, or a run directory (its newest checkpoint)."""
+    """A checkpoint directory (checkpoints/step_XXXXXXXX), or a run directory (its newest checkpoint)."""
     path = Path(path)
-    if path.is_dir():
-        found = list_checkpoints(path)
-        if not found:
-            raise ExportError(f"{path} is a directory without checkpoints (expected {path}/checkpoints/step_*.pt)")
-        return found[0]
-    if not path.is_file():
+    if not path.exists():
         raise ExportError(f"checkpoint {path} does not exist")
-    return path
+    if is_checkpoint(path) or not path.is_dir():
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise ExportError(f"{path} is neither a checkpoint nor a run directory with checkpoints "
+                          f"(expected {path}/checkpoints/step_XXXXXXXX/)")
+    return found[0]
 
 
 def configs_of(state: dict, path: Path = Path("checkpoint")) -> tuple[ModelConfig, FFNConfig, int]:
@@ -151,7 +152,7 @@ def model_from_checkpoint(path: Path) -> Transformer:
 
 
 def find_tokenizer(checkpoint: Path) -> Optional[Path]:
-    """tokenizer.json of the run's shard directory: <run>/checkpoints/step_*.pt -> <run>/run_info.json."""
+    """tokenizer.json of the run's shard directory: <run>/checkpoints/step_XXXXXXXX -> <run>/run_info.json."""
     run_dir = Path(checkpoint).resolve().parent.parent
     try:
         shard_dir = json.loads((run_dir / "run_info.json").read_text())["shard_dir"]

@@ -16,7 +16,8 @@ class RunLogger:
     def __init__(self, run_dir: Path, wandb_cfg: WandbConfig, *, name: str, group: str, job_type: str,
                  config: dict, resumed: bool, rank: int = 0):
         self.path = run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a" if resumed else "w", buffering=1)
+        # rank 0 writes metrics.jsonl and wandb; the other ranks' loggers do nothing
+        self._file = open(self.path, "a" if resumed else "w", buffering=1) if rank == 0 else None
         self._wandb, self._history = None, {}
         if wandb_cfg.mode != WandbMode.disabled and rank == 0:
             import wandb  # slow to import; only when used
@@ -34,6 +35,8 @@ class RunLogger:
         """One line of metrics.jsonl; in wandb, per-layer lists become one key per layer
         (`act_sparsity/layer_03`), and at each evaluation one chart per statistic with a
         line per layer plus a layers x tokens heatmap."""
+        if self._file is None:
+            return
         self._file.write(json.dumps(row) + "\n")
         if self._wandb is None:
             return
@@ -68,7 +71,9 @@ class RunLogger:
             self._wandb.summary.update(values)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

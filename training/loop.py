@@ -2,6 +2,7 @@
 (forward, backward) -> clip -> AdamW -> log / eval / checkpoint."""
 import json
 import math
+import shutil
 import signal
 import statistics
 import sys
@@ -14,15 +15,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from data.errors import DataError
 from data.loader import TokenLoader
 from data.shards import prepare
 from model import FFNKind, Transformer, ffn_hidden_dim, model_size
 from model.stats import derive
 
-from .checkpoint import (check_model_shape, find_resume_checkpoint, model_shape, rng_state, save_checkpoint,
-                         set_rng_state)
-from .config import Config
-from .errors import ConfigError, TrainingError
+from .checkpoint import (check_model_shape, find_resume_checkpoint, load_into, load_rank_state, model_shape,
+                         rng_state, save_checkpoint, set_rng_state)
+from .config import Config, Strategy
+from .distributed import (Dist, agree, broadcast_object, build_model, clip_grad_norm, launch_env, local, setup,
+                          shutdown, sum_over_ranks)
+from .errors import TrainingError
 from .logger import RunLogger, environment
 from .metrics import Throughput
 from .optim import build_optimizer, lr_at
@@ -33,23 +39,44 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
     cfg: Config = OmegaConf.to_object(dcfg)
-    validate(cfg)
+    launch = launch_env()
+    validate(cfg, world_size=launch.world_size if launch else 1)
     if cfg.trainer.dry_run:
         return dry_run(cfg)
-    t, device = cfg.trainer, pick_device(cfg.trainer.device)
-    torch.manual_seed(t.seed)
+    d = setup(cfg.trainer)  # every rank; a process group unless trainer.strategy=none
+    try:
+        return _train(cfg, dcfg, run_dir, run_name, d)
+    finally:
+        shutdown(d)
+
+
+def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist) -> dict:
+    t, device = cfg.trainer, d.device
     if t.num_threads > 0:
         torch.set_num_threads(t.num_threads)
+    run_dir = shared_run_dir(run_dir, d)
 
-    shard_dir, manifest = prepare(cfg.data, REPO_ROOT, progress=t.progress)
+    # rank 0 prepares missing shards while the others wait; then every rank finds them cached
+    err = None
+    if d.is_main:
+        try:
+            prepare(cfg.data, REPO_ROOT, progress=t.progress)
+        except DataError as e:
+            err = str(e)
+    err = broadcast_object(err, d)
+    if err:
+        raise DataError(err)
+    shard_dir, manifest = prepare(cfg.data, REPO_ROOT, progress=False)
     vocab_size = resolve_vocab_size(cfg.model, manifest.vocab_size)
-    model = Transformer(cfg.model, cfg.ffn, vocab_size).to(device)
+    bf16 = use_bf16(t.precision, device)
+    fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"  # FSDP's mixed precision, not autocast
+    model, train_module = build_model(lambda: Transformer(cfg.model, cfg.ffn, vocab_size), t, d, t.seed, fsdp_bf16)
     size = model_size(model, t.seq_len)
     optimizer = build_optimizer(model, cfg.optim, device)
-    accum = t.batch_size // t.micro_batch_size
+    accum = t.batch_size // (t.micro_batch_size * d.world_size)
     steps = total_steps(t)
     tokens_per_step = t.batch_size * t.seq_len
-    loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed)
+    loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed, d.rank, d.world_size)
     val_batches = TokenLoader(shard_dir, manifest, "val", t.seq_len, t.micro_batch_size, t.seed).fixed_batches(t.eval_batches)
 
     start, elapsed0, skipped0 = 0, 0.0, 0
@@ -58,53 +85,61 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
         path, state = resumed
         check_model_shape(path, state, model)
         check_same_data(path, state, manifest)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
+        load_into(path, model, optimizer)
+        mine = load_rank_state(path, d.rank, d.world_size)
+        loader.load_state_dict(mine["loader"])
+        set_rng_state(mine["rng"])
         start, elapsed0, skipped0 = state["step"], state.get("elapsed_s", 0.0), state.get("skipped_steps", 0)
-        print(f"resumed from {path} at step {start}")
+        if state.get("world_size") != d.world_size and d.is_main:
+            print(f"note: {path} was written by {state.get('world_size')} process(es), this run has {d.world_size}: "
+                  "weights and optimizer state are resharded, the data continues at the same sample; the "
+                  "result is not bitwise what the original world size would give")
+        if d.is_main:
+            print(f"resumed from {path} at step {start}")
 
     resolved = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
     info = {"vocab_size": vocab_size, "ffn_hidden": ffn_hidden_dim(cfg.model, cfg.ffn), "total_steps": steps,
             "grad_accum": accum, "tokens_per_step": tokens_per_step, "device": str(device),
+            "strategy": t.strategy.value, "world_size": d.world_size,
             "params": asdict(size), "flops_per_token": size.flops_per_token, "shard_dir": str(shard_dir),
             "environment": environment()}
-    (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
-    (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+    if d.is_main:
+        (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
+        (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
     logger = RunLogger(run_dir, cfg.logging.wandb, name=run_name, group=cfg.name, job_type=cfg.ffn.kind.value,
-                       config={**resolved, "run_info": info}, resumed=start > 0)
+                       config={**resolved, "run_info": info}, resumed=start > 0, rank=d.rank)
 
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16(t.precision, device)
-                else nullcontext())
-    forward = torch.compile(model) if t.compile else model
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not fsdp_bf16 else nullcontext())
     is_sparse = cfg.ffn.kind == FFNKind.srelu24
+    params = list(model.parameters())
 
     def checkpoint(done: int) -> None:
-        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:  # never write a broken model over good checkpoints
-            raise TrainingError(f"step {done}: refusing to checkpoint a model with non-finite weights ({bad[0]}, "
-                                f"{len(bad)} tensor(s)); the checkpoints in {run_dir / 'checkpoints'} are intact")
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(local(p)).all()]
+        if agree([bool(bad)], d)[0]:  # never write a broken model over good checkpoints
+            where = f"{bad[0]}, {len(bad)} tensor(s)" if bad else "on another rank"
+            raise TrainingError(f"step {done}: refusing to checkpoint a model with non-finite weights ({where}); "
+                                f"the checkpoints in {run_dir / 'checkpoints'} are intact")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
         save_checkpoint(run_dir, done, keep_last=t.keep_last, state={
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
-            "rng": rng_state(), "model_shape": model_shape(model), "config": resolved,
+            "model": model_sd, "optimizer": optim_sd, "rank": {"loader": loader.state_dict(), "rng": rng_state()},
+            "model_shape": model_shape(model), "config": resolved, "strategy": t.strategy.value,
             "elapsed_s": meter.elapsed(), "skipped_steps": skipped,
             "data": {"tokenizer_sha256": manifest.tokenizer_sha256, "vocab_size": manifest.vocab_size}})
 
     def evaluate() -> float:
-        model.eval()
+        model.eval()  # every rank runs the same fixed batches (FSDP needs all ranks in each forward)
         with torch.no_grad(), autocast:
-            losses = [forward(x.to(device), y.to(device)) for x, y in val_batches]
+            losses = [model(x.to(device), y.to(device)) for x, y in val_batches]
         model.train()
         return torch.stack(losses).mean().item()
 
-    meter = Throughput(device, size.flops_per_token, tokens_per_step, elapsed_offset=elapsed0)
+    meter = Throughput(device, size.flops_per_token, tokens_per_step, d.world_size, elapsed_offset=elapsed0)
     val_loss = train_loss = float("nan")
     speeds, last_row, skipped = [], {}, skipped0
-    stop = StopSignal()  # SIGTERM / SIGUSR1 (preemption): checkpoint at the next step boundary, exit 0
+    stop = StopSignal()  # SIGTERM / SIGUSR1 / SIGUSR2 (preemption): checkpoint at the next step boundary, exit 0
     try:
-        bar = tqdm(total=steps, initial=start, disable=not t.progress, desc=f"{cfg.name}/{cfg.ffn.kind.value}",
-                   unit="step", dynamic_ncols=True)
+        bar = tqdm(total=steps, initial=start, disable=not (t.progress and d.is_main),
+                   desc=f"{cfg.name}/{cfg.ffn.kind.value}", unit="step", dynamic_ncols=True)
         for step in range(start, steps):
             done = step + 1
             sparse_on = is_sparse and step >= cfg.ffn.dense_warmup_steps
@@ -116,24 +151,28 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
                 group["lr"] = lr
 
             loss_sum = torch.zeros((), device=device)
-            for _ in range(accum):
+            for micro in range(accum):
                 t_data = time.perf_counter()
-                x, y = loader.next_batch()
+                x, y = loader.next_batch()  # this rank's part of the global batch
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 meter.data_time(time.perf_counter() - t_data)
-                with autocast:
-                    loss = forward(x, y)
-                (loss / accum).backward()
+                with grad_sync(train_module, last=micro == accum - 1):
+                    with autocast:
+                        loss = train_module(x, y)
+                    (loss / accum).backward()  # DDP / FSDP average the gradients over ranks
                 loss_sum += loss.detach()
             clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            if torch.isfinite(grad_norm).item():  # one bool per step: a NaN never reaches the weights
+            grad_norm = clip_grad_norm(params, clip)  # global: the same on every rank
+            # one small all-reduce per step: every rank skips (or stops) together
+            nonfinite, stop_now = agree([not torch.isfinite(grad_norm).item(), stop.requested is not None], d)
+            if not nonfinite:  # a NaN never reaches the weights
                 optimizer.step()
             elif t.nonfinite == "stop":
                 raise TrainingError(nonfinite_report(step + 1, loss_sum / accum, model))
             else:
                 skipped += 1
-                print(f"step {step + 1}: non-finite gradient, step skipped ({skipped} so far)", file=sys.stderr)
+                if d.is_main:
+                    print(f"step {step + 1}: non-finite gradient, step skipped ({skipped} so far)", file=sys.stderr)
             optimizer.zero_grad(set_to_none=True)
             meter.step()
             bar.update(1)
@@ -141,10 +180,12 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
             row = {}
             if log_now:
                 model.collect_ffn_stats(False)
-                train_loss = (loss_sum / accum).item()  # the one host sync, every log_every steps
+                # the one host sync, every log_every steps: the loss and statistics of all ranks
+                train_loss = (sum_over_ranks(loss_sum / accum, d) / d.world_size).item()
+                stats = sum_over_ranks(model.pop_ffn_stats(), d)
                 row.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), **meter.read(), sparse24=int(sparse_on),
                            skipped_steps=skipped)
-                row["layers"] = derive(model.pop_ffn_stats().cpu(), is_sparse)
+                row["layers"] = derive(stats.cpu(), is_sparse)
                 row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
                 bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
             if done % t.eval_every == 0 or done == steps:
@@ -156,15 +197,16 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
                 if "tokens_per_s" in row:
                     speeds.append(row["tokens_per_s"])
                     last_row = row
-            if done % t.ckpt_every == 0 or done == steps or done == t.stop_at_step or stop.requested:
+            if done % t.ckpt_every == 0 or done == steps or done == t.stop_at_step or stop_now:
                 meter.pause()
                 checkpoint(done)
                 meter.resume()
-            if done == t.stop_at_step or stop.requested:
+            if done == t.stop_at_step or stop_now:
                 bar.close()
-                why = f"signal {stop.requested}" if stop.requested else "trainer.stop_at_step"
-                print(f"stopped at step {done} ({why}), checkpoint saved; continue (or requeue) with the same command "
-                      f"plus trainer.resume=auto hydra.run.dir={run_dir}")
+                why = f"signal {stop.requested or 'on another rank'}" if stop_now else "trainer.stop_at_step"
+                if d.is_main:
+                    print(f"stopped at step {done} ({why}), checkpoint saved; continue (or requeue) with the same "
+                          f"command plus trainer.resume=auto hydra.run.dir={run_dir}")
                 break
         bar.close()
     except BaseException:
@@ -182,16 +224,21 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
             summary[f"final_{key}"] = last_row[key]
     logger.summary(summary)
     logger.close()
+    stop.forward()
     return summary
 
 
 class StopSignal:
-    """Records SIGTERM / SIGUSR1 (SLURM preemption) instead of dying mid-step."""
+    """Records SIGTERM / SIGUSR1 / SIGUSR2 (preemption, a time limit) instead of dying mid-step.
+    After the checkpoint, `forward` hands the signal to the handler it replaced, if that was
+    Python code: under submitit (SIGUSR2) that requeues the job."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
     def __init__(self):
         self.requested = None
         self._old = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in self.SIGNALS:
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: leave signals alone
@@ -204,11 +251,33 @@ class StopSignal:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
+    def forward(self) -> None:
+        old = self._old.get(signal.Signals[self.requested]) if self.requested else None
+        if callable(old):
+            old(signal.Signals[self.requested].value, None)
+
 
 def nonfinite_report(step: int, loss: torch.Tensor, model: torch.nn.Module) -> str:
-    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(local(p.grad)).all()]
     return (f"step {step}: non-finite gradient (loss {loss.item():.4g}) first in {bad[0] if bad else '?'} "
             f"({len(bad)} tensor(s)); trainer.nonfinite=stop, nothing was checkpointed after the last good step")
+
+
+def grad_sync(train_module: torch.nn.Module, last: bool):
+    """DDP all-reduces on the last micro-batch only; FSDP reduce-scatters each one (its sharded
+    gradients accumulate, so memory stays sharded)."""
+    if last or not hasattr(train_module, "no_sync"):
+        return nullcontext()
+    return train_module.no_sync()
+
+
+def shared_run_dir(run_dir: Path, d: Dist) -> Path:
+    """Rank 0's run directory on every rank: ranks that started in another second got another
+    `${now:}` directory from Hydra; it holds only Hydra's files, and is removed."""
+    main = Path(broadcast_object(str(run_dir), d))
+    if main != run_dir and run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return main
 
 
 def check_same_data(path: Path, state: dict, manifest) -> None:
@@ -220,15 +289,6 @@ def check_same_data(path: Path, state: dict, manifest) -> None:
             f"checkpoint {path} was trained on tokenizer {str(have.get('tokenizer_sha256'))[:12]} "
             f"(vocab {have.get('vocab_size')}) but the data uses tokenizer {manifest.tokenizer_sha256[:12]} "
             f"(vocab {manifest.vocab_size}); point data.* at the checkpoint's shards")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu or auto")
-    return device
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:

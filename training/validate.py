@@ -44,8 +44,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"trainer.keep_last={t.keep_last} must be >= 0 (0 keeps all)")
     if t.precision not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"trainer.precision={t.precision}: valid values are auto, bf16, fp32")
-    if t.resume not in ("none", "auto") and not Path(t.resume).is_file():
-        raise ConfigError(f"trainer.resume={t.resume}: valid values are none, auto or the path of a checkpoint file")
+    if t.resume not in ("none", "auto") and not Path(t.resume).is_dir():
+        raise ConfigError(f"trainer.resume={t.resume}: valid values are none, auto or the path of a checkpoint "
+                          "directory (checkpoints/step_XXXXXXXX)")
+    if t.dist_timeout_s <= 0:
+        raise ConfigError(f"trainer.dist_timeout_s={t.dist_timeout_s} must be positive")
 
 
 def total_steps(t: TrainerConfig) -> int:

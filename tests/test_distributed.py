@@ -1,0 +1,345 @@
+"""Several processes on the CPU (gloo): torchrun with 2 processes, DDP and FSDP2, against one
+process with the same global batch; stop and resume across the 2 processes (bitwise); a
+checkpoint resumed by another world size; SIGTERM to one rank; the SLURM environment path; the
+configs (every experiment with trainer.strategy=fsdp and hydra/launcher=slurm); activation
+checkpointing. Every launch has a timeout: a hang fails the test with the ranks' Python stacks
+(faulthandler, on SIGABRT) instead of blocking CI. See docs/DISTRIBUTED.md."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import EXPERIMENTS, ROOT, compose_config, run_train, tiny_overrides, write_corpus
+
+pytestmark = pytest.mark.slow
+
+STEPS, STOP = 8, 4
+LAUNCH_TIMEOUT = 150  # seconds for one launch; a normal one takes ~5 s on 2 cores
+EXTRA = [f"trainer.max_steps={STEPS}", "trainer.ckpt_every=100", "trainer.eval_every=4", "trainer.dist_timeout_s=60"]
+
+
+# ---------------------------------------------------------------- launching
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra) -> dict:
+    return {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0",
+            "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of pid (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def stop_hung(p: subprocess.Popen, log: Path) -> str:
+    """SIGABRT every process of the launch (faulthandler prints each one's Python stack to the
+    log), then SIGKILL; return the log's tail for the failure message."""
+    for pid in children(p.pid) + [p.pid]:
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except ProcessLookupError:
+            pass
+    time.sleep(3)
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+    return log.read_text()[-8000:]
+
+
+def wait(p: subprocess.Popen, log: Path, timeout: int = LAUNCH_TIMEOUT) -> str:
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"launch did not finish in {timeout} s (a hang?); stacks:\n{stop_hung(p, log)}")
+    out = log.read_text()
+    assert rc == 0, out[-5000:]
+    return out
+
+
+def start_torchrun(args: list[str], log: Path, nproc: int = 2) -> subprocess.Popen:
+    """torchrun on an explicit free port (c10d rendezvous), in its own process group."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
+           str(ROOT / "train.py"), *args]
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def torchrun(args: list[str], log: Path) -> str:
+    return wait(start_torchrun(args, log), log)
+
+
+# ---------------------------------------------------------------- runs shared by the tests
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, corpus):
+    """One shard cache, prepared here, so that no launch races to prepare it."""
+    from omegaconf import OmegaConf
+
+    from data.shards import prepare
+
+    d = tmp_path_factory.mktemp("shared")
+    args = overrides(tmp_path_factory.mktemp("prep"), corpus, d)
+    prepare(OmegaConf.to_object(compose_config([a for a in args if not a.startswith("hydra.")])).data, ROOT,
+            progress=False)
+    return d
+
+
+def overrides(tmp: Path, corpus: Path, cache: Path, extra=()) -> list[str]:
+    """tiny_overrides: global batch 8 = 2 micro-batches of 4 in one process, 1 per rank in two."""
+    args = tiny_overrides(tmp, corpus, [*EXTRA, *extra])
+    return [a if not a.startswith("data.cache_dir=") else f"data.cache_dir={cache}" for a in args]
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run: Path) -> list[tuple]:
+    """(step, loss, val_loss) per step; after a resume the last row of a step counts."""
+    last = {r["step"]: r for r in rows(run)}
+    return [(s, last[s]["loss"], last[s].get("val_loss")) for s in sorted(last)]
+
+
+def ckpt(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def weights(path: Path) -> dict:
+    from training.checkpoint import load_checkpoint
+
+    return load_checkpoint(path)["model"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, corpus, cache):
+    """The reference: one process (trainer.strategy=none), the same global batch."""
+    tmp = tmp_path_factory.mktemp("single")
+    r = run_train(overrides(tmp, corpus, cache), timeout=LAUNCH_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def two(request, tmp_path_factory, corpus, cache):
+    """One strategy, 2 processes: a straight run, and one stopped at step STOP then resumed."""
+    strategy = request.param
+    tmp = tmp_path_factory.mktemp(strategy)
+    straight = tmp / "straight"
+    torchrun(overrides(straight, corpus, cache, [f"trainer.strategy={strategy}"]), tmp / "straight.log")
+    split = tmp / "split"
+    args = overrides(split, corpus, cache, [f"trainer.strategy={strategy}"])
+    first = torchrun(args + [f"trainer.stop_at_step={STOP}"], tmp / "split_1.log")
+    second = torchrun(args + ["trainer.resume=auto"], tmp / "split_2.log")
+    return {"strategy": strategy, "straight": straight / "run", "split": split / "run", "logs": (first, second)}
+
+
+# ---------------------------------------------------------------- 2 processes against 1
+
+def test_two_processes_match_one_with_the_same_global_batch(two, single):
+    mine, ref = losses(two["straight"]), losses(single)
+    assert [s for s, *_ in mine] == list(range(1, STEPS + 1))
+    assert len(rows(two["straight"])) == STEPS  # one writer: rank 0
+    # step 1: the same initial weights (the meta-device build initialises whole tensors from the
+    # CPU RNG, then shards) on the same samples: the mean loss over ranks is bitwise the same
+    assert mine[0] == ref[0]
+    for (s, loss, val), (_, ref_loss, ref_val) in zip(mine, ref):
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-5), s  # gradient sums in another order
+        assert (val is None) == (ref_val is None)
+        if val is not None:
+            assert val == pytest.approx(ref_val, rel=1e-5, abs=1e-5), s
+    info = json.loads((two["straight"] / "run_info.json").read_text())
+    assert (info["world_size"], info["strategy"], info["grad_accum"]) == (2, two["strategy"], 1)
+
+
+def test_stop_and_resume_across_two_processes_is_exact(two):
+    first, second = two["logs"]
+    assert f"stopped at step {STOP} (trainer.stop_at_step)" in first
+    assert f"resumed from {ckpt(two['split'], STOP)} at step {STOP}" in second
+    assert second.count("resumed from") == 1  # printed by rank 0 only
+    saved = sorted(p.name for p in ckpt(two["split"], STOP).iterdir())
+    assert {"rank_00000.pt", "rank_00001.pt", "train_state.json", "manifest.json", ".metadata"} <= set(saved)
+    if two["strategy"] == "fsdp":  # each rank wrote its own shard
+        assert {"__0_0.distcp", "__1_0.distcp"} <= set(saved)
+    assert losses(two["split"]) == losses(two["straight"])
+    a, b = weights(ckpt(two["split"], STEPS)), weights(ckpt(two["straight"], STEPS))
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_checkpoint_of_two_processes_resumes_in_one(tmp_path, corpus, cache, two, single):
+    """Another world size: DCP reshards model and optimizer, the loader continues at the same
+    global sample. Not bitwise (another reduction order), but the same training."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt(two["split"], STOP), ckpt(run, STOP))
+    r = run_train(overrides(tmp_path, corpus, cache, ["trainer.resume=auto"]), timeout=LAUNCH_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "was written by 2 process(es), this run has 1" in r.stdout and f"at step {STOP}" in r.stdout
+    mine, ref = losses(run), losses(single)
+    assert [s for s, *_ in mine] == list(range(STOP + 1, STEPS + 1))
+    for (s, loss, _), (_, ref_loss, _) in zip(mine, ref[STOP:]):
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-5), s
+
+
+# ---------------------------------------------------------------- stop signals and SLURM
+
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path, corpus, cache):
+    """Only rank 1 gets the signal: the ranks agree at the next step, both checkpoint and exit 0."""
+    args = overrides(tmp_path, corpus, cache, ["trainer.strategy=ddp", "trainer.max_steps=2000",
+                                               "trainer.eval_every=1000", "trainer.ckpt_every=1000"])
+    log = tmp_path / "signal.log"
+    p = start_torchrun(args, log)
+    run = tmp_path / "run"
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    while time.monotonic() < deadline and p.poll() is None:
+        if (run / "metrics.jsonl").is_file() and len(rows(run)) >= 3:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, log.read_text()[-3000:]
+    rank1 = [c for c in children(p.pid) if b"RANK=1\0" in Path(f"/proc/{c}/environ").read_bytes()]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGTERM)
+    out = wait(p, log)
+    assert out.count("stopped at step") == 1 and "(signal on another rank)" in out
+    stopped = int(out.split("stopped at step ")[1].split()[0])
+    from training.checkpoint import list_checkpoints, verify_checkpoint
+
+    assert list_checkpoints(run) == [ckpt(run, stopped)]
+    verify_checkpoint(ckpt(run, stopped))
+    assert max(r["step"] for r in rows(run)) == stopped < 2000
+
+
+def test_slurm_tasks_without_torchrun(tmp_path, corpus, cache, two):
+    """Two tasks as srun starts them (SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS, the node list),
+    no torchrun: the same run as torchrun's, bitwise (DDP only: one fixture param is enough)."""
+    if two["strategy"] != "ddp":
+        pytest.skip("one strategy suffices for the launch path")
+    args = overrides(tmp_path, corpus, cache, ["trainer.strategy=ddp"])
+    job = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4242",
+           "MASTER_PORT": str(free_port())}
+    env = {k: v for k, v in child_env(**job).items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    procs, logs = [], []
+    for rank in range(2):
+        logs.append(tmp_path / f"task_{rank}.log")
+        with open(logs[-1], "w") as f:
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=f,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}))
+    for p, log in zip(procs, logs):
+        wait(p, log)
+    assert losses(tmp_path / "run") == losses(two["straight"])
+
+
+# ---------------------------------------------------------------- configs and start-up errors
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_with_fsdp_and_the_slurm_launcher(experiment):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from training.config import ActivationCheckpointing, Strategy, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"+experiment={experiment}", "trainer.strategy=fsdp",
+                                           "trainer.activation_checkpointing=selective", "hydra/launcher=slurm"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert get_class(launcher._target_).__name__ == "SlurmLauncher"  # the plugin is installed
+    assert launcher.tasks_per_node == launcher.gpus_per_node  # one task (process) per GPU
+    t = OmegaConf.to_object(cfg.trainer)
+    assert t.strategy == Strategy.fsdp and t.activation_checkpointing == ActivationCheckpointing.selective
+
+
+@pytest.mark.parametrize("key,valid", [("strategy", "[none, ddp, fsdp]"),
+                                       ("activation_checkpointing", "[none, selective, full]")])
+def test_bad_distributed_value_lists_valid_values(key, valid):
+    r = run_train([f"trainer.{key}=zero3", "trainer.dry_run=true"])
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and f"trainer.{key}" in lines[0], r.stderr
+    assert valid in lines[0]
+
+
+def test_strategy_none_with_several_processes_is_refused(monkeypatch):
+    from training.config import TrainerConfig
+    from training.distributed import setup
+    from training.errors import ConfigError
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"2 processes .*trainer.strategy=none.*ddp, fsdp"):
+        setup(TrainerConfig())
+
+
+def test_launch_environment():
+    from training.distributed import Launch, _slurm_rendezvous, first_host, launch_env
+
+    assert launch_env({}) is None
+    assert launch_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None  # one task: one process
+    torchrun = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}
+    assert launch_env(torchrun) == Launch(3, 1, 4, "torchrun")  # torchrun inside a SLURM job wins
+    slurm = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[007-008]",
+             "SLURM_JOB_ID": "123456"}
+    assert launch_env(slurm) == Launch(5, 1, 8, "slurm")
+    _slurm_rendezvous(slurm)
+    assert slurm["MASTER_ADDR"] == "gpu007" and slurm["MASTER_PORT"] == str(20000 + 123456 % 20000)
+    assert [first_host(n) for n in ("node1", "a[01-04,09],b2", "gpu-a[3,5]", "x1,y2")] == ["node1", "a01", "gpu-a3",
+                                                                                           "x1"]
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+@pytest.mark.parametrize("mode,recomputed", [("none", []), ("selective", [0, 2]), ("full", [0, 1, 2, 3])])
+def test_activation_checkpointing_recomputes_the_chosen_blocks(mode, recomputed):
+    """Counted by forward calls of each block's attention: a recomputed block runs twice per step.
+    Gradients are the same as without checkpointing."""
+    from model import FFNConfig, ModelConfig, Transformer
+    from training.config import TrainerConfig
+    from training.distributed import Dist, build_model
+
+    mcfg = ModelConfig(name="t", dim=32, n_layers=4, n_heads=2, swiglu_hidden=64, max_seq_len=16)
+    make = lambda: Transformer(mcfg, FFNConfig(), 50)  # noqa: E731
+    x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for m in ("none", mode):
+        model, _ = build_model(make, TrainerConfig(activation_checkpointing=m), Dist(), seed=0, bf16_params=False)
+        calls = [0] * 4
+        for i, block in enumerate(model.layers):
+            block.attention.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        model(x, x).backward()
+        grads[m] = {n: p.grad for n, p in model.named_parameters()}
+        if m == mode:
+            assert [i for i, c in enumerate(calls) if c == 2] == recomputed and set(calls) <= {1, 2}
+    for n, g in grads["none"].items():
+        assert torch.equal(g, grads[mode][n]), n
