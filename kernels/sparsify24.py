@@ -39,6 +39,14 @@ def srelu_sparsify24_reference(z: Tensor) -> tuple[Tensor, Tensor]:
     return compress(a_p, keep_p), counts
 
 
+def activation_totals_reference(z: Tensor) -> Tensor:
+    """[non-zeros, sum a^2, dropped sum a^2] of a = relu(z)^2 under its 2:4 selection (float64)."""
+    a = F.relu(z).square()
+    sq = a.double().square()
+    keep = mask_2to4(a)
+    return torch.stack([(a != 0).sum().double(), sq.sum(), torch.where(keep, 0.0, sq).sum()])
+
+
 def dz_sparsify24_reference(z: Tensor, da: Tensor) -> Tensor:
     """Compressed dZ = dA * 2 relu(Z), at the positions the forward 2:4 kept (rows padded to 64)."""
     a = F.relu(z).square()
@@ -81,11 +89,13 @@ def top2_of_4(v0, v1, v2, v3):
 
 
 @triton.jit
-def _srelu_sparsify24_kernel(z_ptr, da_ptr, val_ptr, meta_ptr, counts_ptr, M, K, stride_zm,
-                             BANDS: tl.constexpr, COUNTS: tl.constexpr, DZ: tl.constexpr):
+def _srelu_sparsify24_kernel(z_ptr, da_ptr, val_ptr, meta_ptr, counts_ptr, totals_ptr, M, K, stride_zm,
+                             BANDS: tl.constexpr, COUNTS: tl.constexpr, DZ: tl.constexpr, TOTALS: tl.constexpr):
     """Program (chunk, band group): one 32-column chunk of BANDS 64-row bands. Per band, two
     [32 rows, 32 cols] loads (rows 16c + 8b + a for b = 0, 1), viewed as [32, h, m, 4].
-    DZ: store dZ = dA * 2 relu(Z) at the positions the forward kept, instead of A24."""
+    DZ: store dZ = dA * 2 relu(Z) at the positions the forward kept, instead of A24.
+    TOTALS (logged steps): also add [non-zeros, sum a^2, dropped sum a^2] of the activation
+    a = relu(Z)^2 to totals_ptr (for model/stats.py)."""
     kc = tl.program_id(0)
     p = tl.arange(0, 32)                        # row pair p = 8c + a
     m = tl.arange(0, 4)
@@ -97,6 +107,9 @@ def _srelu_sparsify24_kernel(z_ptr, da_ptr, val_ptr, meta_ptr, counts_ptr, M, K,
     c1 = tl.zeros([32, 2, 4], dtype=tl.int32)
     c2 = tl.zeros([32, 2, 4], dtype=tl.int32)
     c3 = tl.zeros([32, 2, 4], dtype=tl.int32)
+    n_nz = tl.zeros([32, 2, 4], dtype=tl.int32)
+    sq = tl.zeros([32, 2, 4], dtype=tl.float32)
+    dropped_sq = tl.zeros([32, 2, 4], dtype=tl.float32)
     for i in range(BANDS):
         band = tl.program_id(1) * BANDS + i
         row0 = band * 64 + (p // 8) * 16 + p % 8
@@ -126,6 +139,11 @@ def _srelu_sparsify24_kernel(z_ptr, da_ptr, val_ptr, meta_ptr, counts_ptr, M, K,
                 c1 += (k1 & (v1 > 0)).to(tl.int32)
                 c2 += (k2 & (v2 > 0)).to(tl.int32)
                 c3 += (k3 & (v3 > 0)).to(tl.int32)
+            if TOTALS:
+                n_nz += (v0 > 0).to(tl.int32) + (v1 > 0).to(tl.int32) + (v2 > 0).to(tl.int32) + (v3 > 0).to(tl.int32)
+                sq += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+                dropped_sq += (tl.where(k0, 0.0, v0 * v0) + tl.where(k1, 0.0, v1 * v1) +
+                               tl.where(k2, 0.0, v2 * v2) + tl.where(k3, 0.0, v3 * v3))
         tile = (band * (K // 32) + kc) * 128
         tl.store(meta_ptr + tile + p[:, None] * 4 + m[None, :], words.to(tl.int16))
     if COUNTS:
@@ -134,13 +152,20 @@ def _srelu_sparsify24_kernel(z_ptr, da_ptr, val_ptr, meta_ptr, counts_ptr, M, K,
         tl.atomic_add(counts_ptr + col + 1, tl.sum(c1, axis=0))
         tl.atomic_add(counts_ptr + col + 2, tl.sum(c2, axis=0))
         tl.atomic_add(counts_ptr + col + 3, tl.sum(c3, axis=0))
+    if TOTALS:
+        # float64: exact counts past 2^24, no precision lost over thousands of programs
+        tl.atomic_add(totals_ptr + 0, tl.sum(n_nz).to(tl.float64))
+        tl.atomic_add(totals_ptr + 1, tl.sum(sq).to(tl.float64))
+        tl.atomic_add(totals_ptr + 2, tl.sum(dropped_sq).to(tl.float64))
 
 
 def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: int = 4,
-                     da: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                     da: Optional[Tensor] = None, totals: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Fused kernel version of srelu_sparsify24_reference (z: [M, K] bf16, K % 32 == 0).
     With `da` (same shape and strides as z): the compressed dZ = dA * 2 relu(Z) under the
-    forward's 2:4 mask (for dX = dZ W1), see dz_sparsify24_reference."""
+    forward's 2:4 mask (for dX = dZ W1), see dz_sparsify24_reference.
+    With `totals` (float64 [3], forward only): adds [non-zeros, sum a^2, dropped sum a^2] of
+    a = relu(Z)^2, see activation_totals_reference."""
     M, K = z.shape
     if K % 32:
         raise ValueError(f"srelu_sparsify24 needs the feature count to be a multiple of 32, got {K}")
@@ -156,7 +181,10 @@ def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: 
     grid = (K // 32, n_bands // bands)
     if da is not None and (da.shape != z.shape or da.stride() != z.stride() or da.dtype != z.dtype):
         raise ValueError("srelu_sparsify24: da must have z's shape, strides and dtype")
-    _srelu_sparsify24_kernel[grid](z, da if da is not None else z, buf, buf[Mp * K // 2:].view(torch.int16), nnz, M, K,
-                                   z.stride(0), BANDS=bands, COUNTS=counts and da is None, DZ=da is not None,
+    if totals is not None and (da is not None or totals.shape != (3,) or totals.dtype != torch.float64):
+        raise ValueError("srelu_sparsify24: totals must be a float64 [3] tensor, and only in the forward (no da)")
+    _srelu_sparsify24_kernel[grid](z, da if da is not None else z, buf, buf[Mp * K // 2:].view(torch.int16), nnz,
+                                   totals if totals is not None else nnz, M, K, z.stride(0), BANDS=bands,
+                                   COUNTS=counts and da is None, DZ=da is not None, TOTALS=totals is not None,
                                    num_warps=num_warps)
     return buf.view(Mp, -1), nnz  # 2-D, as torch._cslt_sparse_mm wants its compressed operand

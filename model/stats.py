@@ -81,6 +81,24 @@ def sparse24_sums(a: Tensor, mask: Optional[Tensor], dense_fraction: float, spar
     return (_fused(_sparse24_sums) if a.is_cuda else _sparse24_sums)(a, mask, k, sparse)
 
 
+@torch.compiler.disable
+def sparse24_sums_from_counts(kept: Tensor, totals: Tensor, tokens: int, dense_fraction: float) -> Tensor:
+    """The row sparse24_sums(a, None, dense_fraction, sparse=True) gives, built from what the fused
+    sparsify kernel already reduced in its pass (kernels/sparsify24.py): kept non-zeros per
+    feature [F] and totals [non-zeros, sum a^2, dropped sum a^2]. Small [F]-sized work only."""
+    features = kept.shape[0]
+    k = max(1, int(round(dense_fraction * features)))
+    density = kept.double() / tokens
+    kept_nnz = kept.sum(dtype=torch.float64)
+    one = torch.ones((), dtype=torch.float64, device=kept.device)
+    elements = one * tokens * features
+    nnz, sq, dropped_sq = totals.double().unbind()
+    return torch.stack([  # in the column order of N_SUMS
+        elements, elements - kept_nnz, nnz, nnz - kept_nnz, sq, dropped_sq,
+        (density > DENSE_FEATURE_DENSITY).sum().double(), one * features,
+        density.topk(k).values[-1], one, one])
+
+
 def derive(sums: Tensor, sparse24: bool) -> dict[str, list[float]]:
     """Per-layer statistics from the summed rows [L, N_SUMS] (on the CPU)."""
     s = sums.double()

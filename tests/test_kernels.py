@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cslt_layout import compress, compressed_numel, decompress, nibble_index
-from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference
+from kernels.sparsify24 import activation_totals_reference, padded_rows, srelu_sparsify24, srelu_sparsify24_reference
 from model.sparse24 import mask_2to4
+from model.stats import ELEMENTS, N_SUMS
 
 
 def random_z(m: int, k: int, seed: int, device="cpu") -> torch.Tensor:
@@ -53,6 +54,25 @@ def test_fused_kernel_equals_reference_bit_for_bit(m, k, bands):
     assert torch.equal(counts, ref_counts)
 
 
+@pytest.mark.parametrize("m,k,bands", [(100, 96, 1), (640, 128, 8)])
+def test_fused_kernel_totals_for_the_statistics(m, k, bands):
+    """On logged steps the same pass reduces what model/stats.py needs; the row built from it
+    equals the one the statistics compute from the activation itself."""
+    from model.stats import sparse24_sums, sparse24_sums_from_counts
+
+    z = random_z(m, k, seed=m + k)
+    totals = torch.zeros(3, dtype=torch.float64)
+    buf, counts = srelu_sparsify24(z, bands=bands, totals=totals)
+    ref_buf, ref_counts = srelu_sparsify24_reference(z)
+    assert torch.equal(buf.view(torch.int16), ref_buf.view(torch.int16)) and torch.equal(counts, ref_counts)
+    want = activation_totals_reference(z)
+    assert totals[0] == want[0] > 0                                   # non-zeros: exact
+    assert torch.allclose(totals[1:], want[1:], rtol=1e-5) and want[2] > 0
+    row = sparse24_sums_from_counts(counts, totals, m, 0.05)
+    ref_row = sparse24_sums(F.relu(z).square(), None, 0.05, sparse=True)
+    assert torch.allclose(row, ref_row, rtol=1e-5), (row, ref_row)
+
+
 def test_reference_keeps_the_2_largest_activations():
     z = random_z(64, 64, seed=7)
     buf, counts = srelu_sparsify24_reference(z)
@@ -94,16 +114,18 @@ def test_kernel_ffn_equals_the_reference(monkeypatch, recipe):
     x = torch.randn(100, 64, generator=g).bfloat16()
     w1, w2 = torch.randn(128, 64, generator=g) / 8, torch.randn(64, 128, generator=g) / 11
     dy = torch.randn(100, 64, generator=g).bfloat16()
-    outs = []
+    outs, stats = [], []
     for fn in (srelu24_ffn, K.srelu24_ffn_kernels):
         xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        stats.append(torch.zeros(N_SUMS, dtype=torch.float64))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = fn(xx, a, b, r)
+            y = fn(xx, a, b, r, stats[-1])
         torch.manual_seed(3)  # the same token permutation for both
         y.backward(dy)
         outs.append([y.float(), xx.grad.float(), a.grad, b.grad])
     for got, want in zip(outs[1], outs[0]):
         assert ((got - want).norm() / want.norm()).item() < 1e-3
+    assert stats[0][ELEMENTS] > 0 and torch.allclose(stats[1], stats[0], rtol=1e-4)  # statistics agree
 
 
 @pytest.mark.parametrize("t,f", [(32, 64), (100, 128), (64, 192)])
