@@ -1,9 +1,10 @@
 """Compare runs: a table (one row per run) and plots, from run directories or multirun directories.
 
     python scripts/compare.py runs/demo/multirun_2026-11-29_21-00-00       # every job of a sweep
-    python scripts/compare.py runs/a runs/b --out reports/a_vs_b
+    python scripts/compare.py runs/a runs/b --out reports/a_vs_b --baseline srelu
 
-Writes <out>/summary.md, <out>/summary.csv, val_loss.png, train_loss_time.png, throughput.png and
+Writes <out>/summary.md, <out>/summary.csv, val_loss.png, val_loss_delta.png (gap to --baseline),
+train_loss_time.png, throughput.png (ratios vs --baseline) and
 sparsity_heatmap_<run>.png (default out: <first input>/report); the table is also printed.
 metrics.jsonl is the source of truth. Throughput and MFU are medians over the log intervals after
 the first ~10% (at least the first one), which include warm-up and compilation.
@@ -99,6 +100,7 @@ COLUMNS = [("run", "run", str), ("variant", "variant", str),
            ("params", "params", "{:,}".format), ("non_embedding", "non-emb params", "{:,}".format),
            ("tokens", "tokens", "{:,}".format), ("final_loss", "final train loss", "{:.4f}".format),
            ("final_val_loss", "final val loss", "{:.4f}".format),
+           ("val_vs_baseline", "val loss vs baseline", "{:+.2%}".format),
            ("tokens_per_s", "tokens/s (steady median)", "{:,.0f}".format), ("mfu", "MFU", "{:.1%}".format),
            ("act_sparsity", "act sparsity (mean)", "{:.3f}".format),
            ("peak_mem_gib", "peak mem alloc (GiB)", "{:.2f}".format)]
@@ -159,7 +161,30 @@ def line_plot(rows: list[dict], y: str, x: str, xlabel: str, ylabel: str, path: 
     return drawn
 
 
-def throughput_plot(rows: list[dict], path: Path) -> bool:
+def val_delta_plot(rows: list[dict], base: dict, path: Path) -> bool:
+    """Validation loss minus the baseline's at the same step: the small gaps the full curves hide."""
+    ref = {m["step"]: m["val_loss"] for m in base["_rows"] if "val_loss" in m}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = False
+    for i, r in enumerate(rows):
+        pts = [(m["tokens"], m["val_loss"] - ref[m["step"]]) for m in r["_rows"]
+               if "val_loss" in m and m.get("step") in ref]
+        if r is not base and len(pts) > 1:
+            ax.plot(*zip(*pts), marker="o", ms=3, color=f"C{i % 10}", label=r["label"])
+            drawn = True
+    if drawn:
+        ax.axhline(0, color="k", lw=0.8, label=base["label"])
+        ax.set(xlabel="tokens", ylabel=f"validation loss - {base['label']}'s",
+               title=f"validation loss relative to {base['label']}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    close(fig)
+    return drawn
+
+
+def throughput_plot(rows: list[dict], path: Path, base_index: int = 0) -> bool:
     speeds = [0.0 if absent(r["tokens_per_s"]) else r["tokens_per_s"] for r in rows]
     if not any(speeds):
         return False
@@ -168,11 +193,11 @@ def throughput_plot(rows: list[dict], path: Path) -> bool:
     tilt = len(rows) > 3
     ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=20 if tilt else 0,
                   ha="right" if tilt else "center")
-    base = speeds[0]
+    base = speeds[base_index]
     for bar, s in zip(bars, speeds):
         note = f"{s:,.0f}" + (f"\n{s / base:.2f}x" if base else "")
         ax.annotate(note, (bar.get_x() + bar.get_width() / 2, s), ha="center", va="bottom", fontsize=8)
-    ax.set(ylabel="tokens/s (steady-state median)", title=f"throughput (ratio vs {rows[0]['label']})")
+    ax.set(ylabel="tokens/s (steady-state median)", title=f"throughput (ratio vs {rows[base_index]['label']})")
     ax.margins(y=0.2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -195,6 +220,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", type=Path, help="run directories or multirun directories")
     ap.add_argument("--out", type=Path, help="where tables and plots go (default: <first path>/report)")
+    ap.add_argument("--baseline", help="label or run name that ratios and loss gaps are taken against "
+                    "(default: the first run)")
     args = ap.parse_args(argv)
     runs = find_runs(args.paths)
     if not runs:
@@ -202,6 +229,20 @@ def main(argv=None) -> int:
         return 2
     rows = [{**summarize(r), "_dir": r} for r in runs]
     label_runs(rows)
+    if args.baseline is None:
+        base_index = 0
+    else:
+        names = [(r["label"], r["run"], r["name"]) for r in rows]
+        matches = [i for i, n in enumerate(names) if args.baseline in n]
+        if not matches:
+            print(f"error: --baseline {args.baseline!r} is none of the runs: {', '.join(r['label'] for r in rows)}",
+                  file=sys.stderr)
+            return 2
+        base_index = matches[0]
+    base = rows[base_index]
+    for r in rows:
+        v, b = r["final_val_loss"], base["final_val_loss"]
+        r["val_vs_baseline"] = None if absent(v) or absent(b) else (v - b) / b
     out = args.out or args.paths[0] / "report"
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
@@ -214,7 +255,9 @@ def main(argv=None) -> int:
         plots.append("val_loss.png")
     if line_plot(rows, "loss", "elapsed_s", "wall-clock seconds", "training loss", out / "train_loss_time.png"):
         plots.append("train_loss_time.png")
-    if throughput_plot(rows, out / "throughput.png"):
+    if val_delta_plot(rows, base, out / "val_loss_delta.png"):
+        plots.append("val_loss_delta.png")
+    if throughput_plot(rows, out / "throughput.png", base_index):
         plots.append("throughput.png")
     for r in rows:
         if heatmap(r, out / f"sparsity_heatmap_{r['name']}.png"):

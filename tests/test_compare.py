@@ -67,12 +67,12 @@ def test_table_of_a_multirun(multirun, report):
     md = (report / "summary.md").read_text().splitlines()
     assert len(md) == 2 + len(JOBS) and md[0].startswith("| run | variant |")
     assert all(f"| {job} | {ffn} |" in "\n".join(md) for job, ffn in JOBS.items())
-    assert md[2].split("|")[9].strip() == "-"  # MFU column on CPU
+    assert md[2].split("|")[10].strip() == "-"  # MFU column on CPU
 
 
 @pytest.mark.slow
 def test_plots_are_written_and_not_blank(report):
-    names = ["val_loss.png", "train_loss_time.png", "throughput.png"]
+    names = ["val_loss.png", "train_loss_time.png", "val_loss_delta.png", "throughput.png"]
     names += [f"sparsity_heatmap_{job}.png" for job in JOBS]
     for name in names:
         path = report / name
@@ -94,6 +94,21 @@ def test_run_dirs_given_one_by_one_give_the_same_table(multirun, report, tmp_pat
     assert (report / "summary.md").read_text().strip() in out  # the table is printed
     assert str(tmp_path) in out.splitlines()[-1]  # and where the plots went
     assert (tmp_path / "sparsity_heatmap_1_srelu24.png").is_file()
+
+
+@pytest.mark.slow
+def test_baseline_sets_the_loss_gaps_and_ratios(multirun, report, tmp_path, capsys):
+    rows = {r["variant"]: r for r in read_csv(report / "summary.csv")}
+    assert float(rows["swiglu"]["val_vs_baseline"]) == 0.0  # default: the first run
+    assert compare.main([str(multirun), "--baseline", "srelu24", "--out", str(tmp_path)]) == 0
+    rows = {r["variant"]: r for r in read_csv(tmp_path / "summary.csv")}
+    v, b = float(rows["swiglu"]["final_val_loss"]), float(rows["srelu24"]["final_val_loss"])
+    assert float(rows["srelu24"]["val_vs_baseline"]) == 0.0
+    assert float(rows["swiglu"]["val_vs_baseline"]) == pytest.approx((v - b) / b)
+    capsys.readouterr()
+    assert compare.main([str(multirun), "--baseline", "gelu", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --baseline 'gelu'") and "swiglu, srelu24" in err and len(err.splitlines()) == 1
 
 
 def test_no_run_found_is_exit_2_with_one_line(tmp_path, capsys):
