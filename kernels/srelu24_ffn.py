@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.sparse24 import Sparse24Recipe
-from model.stats import sparse24_sums_from_counts
+from model.stats import N_SUMS, sparse24_sums_from_counts
 
 from .sparsify24 import srelu_sparsify24
 from .sparsify24_tokens import padded_tokens, sparsify_tokens
@@ -55,57 +55,95 @@ def sparse_mm(a: Tensor, b: Tensor) -> Tensor:
     return torch._cslt_sparse_mm(a, b, alg_id=alg) if alg else torch._cslt_sparse_mm(a, b)
 
 
-class SReLU24Kernels(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe, stats):
-        dt = torch.bfloat16
-        x, w1b, w2b = x.to(dt), w1.to(dt), w2.to(dt)
-        T = x.shape[0]
-        z = x @ w1b.t()
-        # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
-        totals = torch.zeros(3, dtype=torch.float64, device=z.device) if stats is not None else None
-        buf, counts = srelu_sparsify24(z, totals=totals)
-        y = sparse_mm(buf, w2b.t())[:T]
-        if stats is not None:
-            stats += sparse24_sums_from_counts(counts, totals, T, recipe.dense_feature_fraction)
-        ctx.save_for_backward(x, w1b, w2b, z, counts)
-        ctx.recipe, ctx.w_dtypes = recipe, (w1.dtype, w2.dtype)
-        return y
+# The FFN as two torch.library custom ops (forward, backward) tied by register_autograd:
+# torch.compile keeps them whole in its graph (no graph break) and traces around them with the
+# fake (meta) versions below; FSDP2 hands them plain, all-gathered weights. Inputs are bf16
+# (srelu24_ffn_kernels casts); the recipe travels as plain bool/float arguments.
 
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, w1b, w2b, z, counts = ctx.saved_tensors
-        r: Sparse24Recipe = ctx.recipe
-        T = x.shape[0]
-        dy = dy.to(torch.bfloat16).contiguous()
-        da = dy @ w2b                                          # [T, F] dense
-        if r.reuse_forward_mask:
-            dz_buf, _ = srelu_sparsify24(z, da=da)
-            dx = sparse_mm(dz_buf, w1b)[:T]
-        else:  # dZ is not 2:4 then: a dense GEMM (the ablation, not the fast path)
-            dx = (da * (2 * F.relu(z))) @ w1b
-
-        perm = torch.randperm(T, device=x.device) if r.token_permutation else None
-        k = int(round(r.dense_feature_fraction * z.shape[1]))
-        dense = torch.sort(-counts, stable=True).indices[:k] if k > 0 else None
-        Tp = padded_tokens(T)
-        dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
-        x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
-        s_a, a_dense = sparsify_tokens(z, perm, dense)
-        s_dz, dz_dense = sparsify_tokens(z, perm, dense, da=da, reuse_forward_mask=r.reuse_forward_mask)
-        dw2 = sparse_mm(s_a, dy_p).t().contiguous()           # [d, F]
-        dw1 = sparse_mm(s_dz, x_p)                            # [F, d]
-        if dense is not None:                                 # exact gradients of the dense features
-            dw2[:, dense] = (a_dense @ dy_p).t()
-            dw1[dense] = dz_dense @ x_p
-        return dx, dw1.to(ctx.w_dtypes[0]), dw2.to(ctx.w_dtypes[1]), None, None
+@torch.library.custom_op("sparse24::srelu24_ffn_fwd", mutates_args=())
+def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dense_feature_fraction: float,
+                    token_permutation: bool, reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(Y [T, d], Z [T, F] for backward, kept non-zeros per feature [F] int32, the statistics
+    row [N_SUMS] float64: zeros unless collect_stats). The last two switches are the backward's,
+    passed here so that the op's inputs hold the whole recipe."""
+    T = x.shape[0]
+    z = x @ w1.t()
+    # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
+    totals = torch.zeros(3, dtype=torch.float64, device=z.device) if collect_stats else None
+    buf, counts = srelu_sparsify24(z, totals=totals)
+    y = sparse_mm(buf, w2.t())[:T]
+    if collect_stats:
+        row = sparse24_sums_from_counts(counts, totals, T, dense_feature_fraction)
+    else:
+        row = torch.zeros(N_SUMS, dtype=torch.float64, device=z.device)
+    return y, z, counts, row
 
 
-# Not registered with torch.library yet: under torch.compile it runs as a graph break.
-@torch.compiler.disable
+@srelu24_ffn_fwd.register_fake
+def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask):
+    T, F_ = x.shape[0], w1.shape[0]
+    return (x.new_empty(T, w2.shape[0]), x.new_empty(T, F_), x.new_empty(F_, dtype=torch.int32),
+            x.new_empty(N_SUMS, dtype=torch.float64))
+
+
+@torch.library.custom_op("sparse24::srelu24_ffn_bwd", mutates_args=())
+def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, counts: Tensor,
+                    token_permutation: bool, dense_feature_fraction: float,
+                    reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX, dW1, dW2), all bf16."""
+    T = x.shape[0]
+    dy = dy.to(torch.bfloat16).contiguous()
+    da = dy @ w2                                           # [T, F] dense
+    if reuse_forward_mask:
+        dz_buf, _ = srelu_sparsify24(z, da=da)
+        dx = sparse_mm(dz_buf, w1)[:T]
+    else:  # dZ is not 2:4 then: a dense GEMM (the ablation, not the fast path)
+        dx = (da * (2 * F.relu(z))) @ w1
+
+    perm = torch.randperm(T, device=x.device) if token_permutation else None
+    k = int(round(dense_feature_fraction * z.shape[1]))
+    dense = torch.sort(-counts, stable=True).indices[:k] if k > 0 else None
+    Tp = padded_tokens(T)
+    dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
+    x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
+    s_a, a_dense = sparsify_tokens(z, perm, dense)
+    s_dz, dz_dense = sparsify_tokens(z, perm, dense, da=da, reuse_forward_mask=reuse_forward_mask)
+    dw2 = sparse_mm(s_a, dy_p).t().contiguous()            # [d, F]
+    dw1 = sparse_mm(s_dz, x_p)                             # [F, d]
+    if dense is not None:                                  # exact gradients of the dense features
+        dw2[:, dense] = (a_dense @ dy_p).t()
+        dw1[dense] = dz_dense @ x_p
+    return dx.contiguous(), dw1.contiguous(), dw2
+
+
+@srelu24_ffn_bwd.register_fake
+def _(dy, x, w1, w2, z, counts, token_permutation, dense_feature_fraction, reuse_forward_mask):
+    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask = inputs
+    _, z, counts, _ = output
+    ctx.save_for_backward(x, w1, w2, z, counts)
+
+
+def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts and the row do not
+    x, w1, w2, z, counts = ctx.saved_tensors
+    dx, dw1, dw2 = srelu24_ffn_bwd(dy, x, w1, w2, z, counts, ctx.token_permutation, ctx.dense_feature_fraction,
+                                   ctx.reuse_forward_mask)
+    return dx, dw1, dw2, None, None, None, None
+
+
+srelu24_ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
 def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe, stats=None) -> Tensor:
+    """The srelu24 FFN on x [..., d]; adds this call's statistics row to `stats` when given."""
     shape = x.shape
-    y = SReLU24Kernels.apply(x.reshape(-1, shape[-1]), w1, w2, recipe, stats)
+    dt = torch.bfloat16  # casts outside the ops: autograd returns fp32 gradients to fp32 weights
+    y, _, _, row = srelu24_ffn_fwd(x.reshape(-1, shape[-1]).to(dt), w1.to(dt), w2.to(dt), stats is not None,
+                                   recipe.dense_feature_fraction, recipe.token_permutation,
+                                   recipe.reuse_forward_mask)
+    if stats is not None:
+        stats += row
     return y.reshape(*shape[:-1], y.shape[-1])
-
-

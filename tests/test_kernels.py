@@ -128,6 +128,76 @@ def test_kernel_ffn_equals_the_reference(monkeypatch, recipe):
     assert stats[0][ELEMENTS] > 0 and torch.allclose(stats[1], stats[0], rtol=1e-4)  # statistics agree
 
 
+def _cslt_stand_in(monkeypatch):
+    def cslt_stand_in(buf, b, **kw):
+        return (decompress(buf, buf.shape[0], b.shape[0]).float() @ b.float()).to(torch.bfloat16)
+
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", cslt_stand_in, raising=False)
+
+
+def test_kernel_ops_pass_torch_library_opcheck(monkeypatch):
+    """Schema, fake (meta) versions, autograd registration and AOT dispatch of the two ops."""
+    import kernels.srelu24_ffn as K
+
+    _cslt_stand_in(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(100, 64, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(128, 64, generator=g) / 8).bfloat16().requires_grad_()
+    w2 = (torch.randn(64, 128, generator=g) / 11).bfloat16().requires_grad_()
+    for stats in (False, True):  # no token permutation here: opcheck replays the backward
+        torch.library.opcheck(K.srelu24_ffn_fwd, (x, w1, w2, stats, 0.05, False, True))
+    y, z, counts, _ = K.srelu24_ffn_fwd(x.detach(), w1.detach(), w2.detach(), False, 0.05, False, True)
+    torch.library.opcheck(K.srelu24_ffn_bwd, (torch.randn_like(y), x.detach(), w1.detach(), w2.detach(), z, counts,
+                                              False, 0.05, True))
+
+
+def test_kernel_ffn_compiles_without_a_graph_break(monkeypatch):
+    """fullgraph=True fails on any graph break; forward and gradients equal eager's."""
+    import kernels.srelu24_ffn as K
+    from model.sparse24 import Sparse24Recipe
+
+    _cslt_stand_in(monkeypatch)
+    r = Sparse24Recipe(True, 0.05, True)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 50, 64, generator=g)
+    w1, w2 = torch.randn(128, 64, generator=g) / 8, torch.randn(64, 128, generator=g) / 11
+
+    def step(fn):
+        xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        stats = torch.zeros(N_SUMS, dtype=torch.float64)
+        y = fn(xx, a, b, stats)
+        torch.manual_seed(3)  # the same token permutation in both backwards
+        (y.float().square().mean()).backward()
+        return [y.float(), xx.grad, a.grad, b.grad, stats]
+
+    def ffn(xx, a, b, stats):
+        return K.srelu24_ffn_kernels(xx, a, b, r, stats)
+
+    torch._dynamo.reset()
+    want = step(ffn)
+    got = step(torch.compile(ffn, backend="aot_eager", fullgraph=True))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert want[2].dtype == torch.float32 and want[4][ELEMENTS] == 100 * 128  # fp32 grads, stats collected
+
+
+def test_srelu24_module_on_the_kernel_path_compiles_in_one_graph(monkeypatch):
+    """The model's FFN module as the trainer compiles it on a GPU (kernel path forced on CPU)."""
+    import model.ffn as ffn
+    from model.sparse24 import Sparse24Recipe
+
+    _cslt_stand_in(monkeypatch)
+    monkeypatch.setattr(ffn, "kernels_available", lambda x: True)
+    torch.manual_seed(0)
+    m = ffn.SReLU24(64, 128, Sparse24Recipe(False, 0.05, True))
+    m.sparse = m.collect_stats = True
+    x = torch.randn(2, 32, 64)
+    torch._dynamo.reset()
+    want = m(x)
+    got = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    assert torch.allclose(got.float(), want.float()) and m.stats[ELEMENTS] == 2 * 64 * 128  # stats: both calls
+
+
 @pytest.mark.parametrize("t,f", [(32, 64), (100, 128), (64, 192)])
 @pytest.mark.parametrize("mode", ["a24", "dz", "dz_no_reuse"])
 @pytest.mark.parametrize("permuted", [False, True])
