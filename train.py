@@ -36,4 +36,12 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     check_overrides(CONFIGS, sys.argv[1:])
-    main()
+    try:
+        main()
+    except SystemExit as e:  # errors above, and Hydra's own (exit 1)
+        code = e.code
+    else:
+        code = 0
+    if "training.distributed" in sys.modules:  # imported by a run: it knows how a process that joined a group exits
+        sys.modules["training.distributed"].exit_process(code)
+    sys.exit(code)

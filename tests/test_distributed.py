@@ -259,6 +259,36 @@ def test_slurm_tasks_without_torchrun(tmp_path, corpus, cache, two):
     assert losses(tmp_path / "run") == losses(two["straight"])
 
 
+def test_usr2_checkpoints_then_reaches_the_handler_it_replaced(tmp_path, corpus, cache, monkeypatch):
+    """submitit requeues a job from its SIGUSR2 handler (time limit, preemption). The trainer
+    catches SIGUSR2 first: it checkpoints at the step boundary, then calls that handler."""
+    from model.transformer import Transformer
+    from training.loop import train
+
+    calls, real = [], Transformer.forward
+
+    def forward(self, *a, **k):
+        if self.training and not calls and (tmp_path / "run" / "metrics.jsonl").is_file() \
+                and len(rows(tmp_path / "run")) == 2:
+            calls.append("sent")
+            os.kill(os.getpid(), signal.SIGUSR2)  # during step 3
+        return real(self, *a, **k)
+
+    def requeue(signum, frame):  # stands in for submitit's handler
+        calls.append((signal.Signals(signum).name, sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())))
+
+    monkeypatch.setattr(Transformer, "forward", forward)
+    old = signal.signal(signal.SIGUSR2, requeue)
+    try:
+        dcfg = compose_config([a for a in overrides(tmp_path, corpus, cache) if not a.startswith("hydra.")])
+        (tmp_path / "run").mkdir()
+        train(dcfg, tmp_path / "run", "usr2")
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+    assert calls == ["sent", ("SIGUSR2", ["step_00000003"])]  # checkpoint first, then the old handler
+    assert max(r["step"] for r in rows(tmp_path / "run")) == 3
+
+
 # ---------------------------------------------------------------- configs and start-up errors
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -312,6 +342,7 @@ def test_launch_environment():
     slurm = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[007-008]",
              "SLURM_JOB_ID": "123456"}
     assert launch_env(slurm) == Launch(5, 1, 8, "slurm")
+    assert launch_env(slurm, slurm=False) is None  # trainer.strategy=none: one process in any allocation
     _slurm_rendezvous(slurm)
     assert slurm["MASTER_ADDR"] == "gpu007" and slurm["MASTER_PORT"] == str(20000 + 123456 % 20000)
     assert [first_host(n) for n in ("node1", "a[01-04,09],b2", "gpu-a[3,5]", "x1,y2")] == ["node1", "a01", "gpu-a3",

@@ -3,9 +3,10 @@ and `build_model`, which applies the transforms in a fixed order (docs/DISTRIBUT
 
 Where the ranks come from:
 - torchrun: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
-- else a SLURM step with several tasks (srun, or hydra-submitit-launcher with one task per GPU):
-  SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, MASTER_ADDR = the first host of SLURM_JOB_NODELIST,
-  MASTER_PORT = 20000 + SLURM_JOB_ID % 20000 (either can be set in the environment instead);
+- else, with trainer.strategy ddp or fsdp, a SLURM step with several tasks (srun, or
+  hydra-submitit-launcher with one task per GPU): SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS,
+  MASTER_ADDR = the first host of SLURM_JOB_NODELIST, MASTER_PORT = 20000 + SLURM_JOB_ID % 20000
+  (either can be set in the environment instead);
 - else one process.
 """
 import functools
@@ -24,6 +25,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ActivationCheckpointing, Strategy, TrainerConfig
 from .errors import ConfigError
+
+
+_joined = False  # this process has been in a process group (exit_process)
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,13 @@ class Launch:
     source: str  # "torchrun" | "slurm"
 
 
-def launch_env(env=os.environ) -> Optional[Launch]:
-    """The ranks torchrun or a multi-task SLURM step gave this process, or None (one process)."""
+def launch_env(env=os.environ, slurm: bool = True) -> Optional[Launch]:
+    """The ranks torchrun or a multi-task SLURM step gave this process, or None (one process).
+    slurm=False ignores SLURM's variables (trainer.strategy=none: `python train.py` inside an
+    allocation of several tasks is one process)."""
     if "RANK" in env and "WORLD_SIZE" in env:
         return Launch(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]), "torchrun")
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+    if slurm and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
         return Launch(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]), "slurm")
     return None
 
@@ -91,7 +97,7 @@ def pick_device(name: str, local_rank: int = 0, world_size: int = 1) -> torch.de
 
 def setup(t: TrainerConfig) -> Dist:
     """Join the process group when trainer.strategy asks for one (every rank calls this first)."""
-    launch = launch_env()
+    launch = launch_env(slurm=t.strategy != Strategy.none)
     world = launch.world_size if launch else 1
     if t.strategy == Strategy.none:
         if world > 1:
@@ -104,6 +110,8 @@ def setup(t: TrainerConfig) -> Dist:
     timeout = timedelta(seconds=t.dist_timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    global _joined
+    _joined = True
     if launch is None:  # one process: a group of one, no network
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
@@ -118,6 +126,25 @@ def shutdown(d: Dist) -> None:
     """Leave the process group. No barrier: every rank returns from the same last collective."""
     if d.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code) -> None:
+    """End a `python train.py` process with `code` (SystemExit's). After a process group, without
+    the interpreter's teardown: gloo's threads may still be releasing the last collectives' tensors,
+    which takes the GIL, and that aborts a process in teardown after a successful run
+    (pytorch/pytorch#190489; found here with gdb, docs/DISTRIBUTED.md "Leaving the process")."""
+    code = 0 if code is None else code
+    if not isinstance(code, int):  # sys.exit("message")
+        print(code, file=sys.stderr)
+        code = 1
+    if not _joined:
+        sys.exit(code)
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()  # Hydra's job log file
+    os._exit(code)
 
 
 def build_model(make, t: TrainerConfig, d: Dist, seed: int, bf16_params: bool) -> tuple[nn.Module, nn.Module]:

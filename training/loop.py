@@ -39,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
     cfg: Config = OmegaConf.to_object(dcfg)
-    launch = launch_env()
+    launch = launch_env(slurm=cfg.trainer.strategy != Strategy.none)
     validate(cfg, world_size=launch.world_size if launch else 1)
     if cfg.trainer.dry_run:
         return dry_run(cfg)
