@@ -349,6 +349,22 @@ def test_launch_environment():
                                                                                            "x1"]
 
 
+def test_ranks_use_rank_0s_run_dir_and_drop_their_own_hydra_only_dir(tmp_path, monkeypatch):
+    """Without hydra.run.dir, ranks that start in different seconds get different ${now:} dirs."""
+    import training.loop
+    from training.distributed import Dist
+
+    main, mine, used = tmp_path / "12-00-00", tmp_path / "12-00-01", tmp_path / "12-00-02"
+    for d in (main, mine, used):
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "config.yaml").write_text("{}")
+    (used / "metrics.jsonl").write_text("")  # not Hydra's: never deleted
+    monkeypatch.setattr(training.loop, "broadcast_object", lambda obj, d: str(main))
+    assert training.loop.shared_run_dir(mine, Dist(rank=1, world_size=2, enabled=True)) == main
+    assert training.loop.shared_run_dir(used, Dist(rank=1, world_size=2, enabled=True)) == main
+    assert main.is_dir() and not mine.exists() and (used / "metrics.jsonl").is_file()
+
+
 # ---------------------------------------------------------------- activation checkpointing
 
 @pytest.mark.parametrize("mode,recomputed", [("none", []), ("selective", [0, 2]), ("full", [0, 1, 2, 3])])
