@@ -238,11 +238,9 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path, corpus, cache
     assert max(r["step"] for r in rows(run)) == stopped < 2000
 
 
-def test_slurm_tasks_without_torchrun(tmp_path, corpus, cache, two):
+def test_slurm_tasks_without_torchrun(tmp_path, corpus, cache, single):
     """Two tasks as srun starts them (SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS, the node list),
-    no torchrun: the same run as torchrun's, bitwise (DDP only: one fixture param is enough)."""
-    if two["strategy"] != "ddp":
-        pytest.skip("one strategy suffices for the launch path")
+    no torchrun: the same training as one process with the same global batch."""
     args = overrides(tmp_path, corpus, cache, ["trainer.strategy=ddp"])
     job = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4242",
            "MASTER_PORT": str(free_port())}
@@ -256,7 +254,12 @@ def test_slurm_tasks_without_torchrun(tmp_path, corpus, cache, two):
                                           env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}))
     for p, log in zip(procs, logs):
         wait(p, log)
-    assert losses(tmp_path / "run") == losses(two["straight"])
+    mine, ref = losses(tmp_path / "run"), losses(single)
+    assert mine[0] == ref[0] and len(mine) == len(ref) == STEPS
+    for (s, loss, _), (_, ref_loss, _) in zip(mine, ref):
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-5), s
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert (info["world_size"], info["strategy"]) == (2, "ddp")
 
 
 def test_usr2_checkpoints_then_reaches_the_handler_it_replaced(tmp_path, corpus, cache, monkeypatch):
