@@ -181,6 +181,8 @@ def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: 
     grid = (K // 32, n_bands // bands)
     if da is not None and (da.shape != z.shape or da.stride() != z.stride() or da.dtype != z.dtype):
         raise ValueError("srelu_sparsify24: da must have z's shape, strides and dtype")
+    if totals is not None and not counts:
+        raise ValueError("srelu_sparsify24: totals need the counts (counts=True): the statistics use both")
     if totals is not None and (da is not None or totals.shape != (3,) or totals.dtype != torch.float64):
         raise ValueError("srelu_sparsify24: totals must be a float64 [3] tensor, and only in the forward (no da)")
     _srelu_sparsify24_kernel[grid](z, da if da is not None else z, buf, buf[Mp * K // 2:].view(torch.int16), nnz,

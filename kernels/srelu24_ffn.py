@@ -55,6 +55,12 @@ def sparse_mm(a: Tensor, b: Tensor) -> Tensor:
     return torch._cslt_sparse_mm(a, b, alg_id=alg) if alg else torch._cslt_sparse_mm(a, b)
 
 
+def _check_bf16(op: str, **tensors: Tensor) -> None:
+    bad = [f"{k} {t.dtype}" for k, t in tensors.items() if t.dtype != torch.bfloat16]
+    if bad:
+        raise ValueError(f"sparse24::{op} needs bf16 inputs (srelu24_ffn_kernels casts them), got {', '.join(bad)}")
+
+
 # The FFN as two torch.library custom ops (forward, backward) tied by register_autograd:
 # torch.compile keeps them whole in its graph (no graph break) and traces around them with the
 # fake (meta) versions below; FSDP2 hands them plain, all-gathered weights. Inputs are bf16
@@ -66,6 +72,7 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
     """(Y [T, d], Z [T, F] for backward, kept non-zeros per feature [F] int32, the statistics
     row [N_SUMS] float64: zeros unless collect_stats). The last two switches are the backward's,
     passed here so that the op's inputs hold the whole recipe."""
+    _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T = x.shape[0]
     z = x @ w1.t()
     # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
@@ -81,6 +88,7 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
 
 @srelu24_ffn_fwd.register_fake
 def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask):
+    _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T, F_ = x.shape[0], w1.shape[0]
     return (x.new_empty(T, w2.shape[0]), x.new_empty(T, F_), x.new_empty(F_, dtype=torch.int32),
             x.new_empty(N_SUMS, dtype=torch.float64))
@@ -91,6 +99,7 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
                     token_permutation: bool, dense_feature_fraction: float,
                     reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dX, dW1, dW2), all bf16."""
+    _check_bf16("srelu24_ffn_bwd", x=x, w1=w1, w2=w2, z=z)
     T = x.shape[0]
     dy = dy.to(torch.bfloat16).contiguous()
     da = dy @ w2                                           # [T, F] dense
@@ -145,5 +154,5 @@ def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recip
                                    recipe.dense_feature_fraction, recipe.token_permutation,
                                    recipe.reuse_forward_mask)
     if stats is not None:
-        stats += row
+        stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])

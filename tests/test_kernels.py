@@ -42,6 +42,8 @@ def test_layout_rejects_shapes_it_cannot_take():
         compress(torch.zeros(96, 32), torch.ones(96, 32, dtype=torch.bool))
     with pytest.raises(ValueError, match="multiple of 32"):
         srelu_sparsify24(torch.zeros(64, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="totals need the counts"):
+        srelu_sparsify24(torch.zeros(64, 32, dtype=torch.bfloat16), counts=False, totals=torch.zeros(3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("m,k,bands", [(64, 32, 1), (100, 96, 1), (192, 64, 2), (1, 32, 8), (640, 128, 8)])
@@ -88,7 +90,10 @@ def test_reference_keeps_the_2_largest_activations():
 def test_fused_kernel_feeds_cusparselt(m, k):
     """On CUDA: same bytes as the reference, and torch._cslt_sparse_mm on the buffer computes A24 @ B."""
     z = random_z(m, k, seed=m, device="cuda")
-    buf, counts = srelu_sparsify24(z)
+    totals = torch.zeros(3, dtype=torch.float64, device="cuda")
+    buf, counts = srelu_sparsify24(z, totals=totals)
+    want = activation_totals_reference(z)
+    assert totals[0] == want[0] and torch.allclose(totals[1:], want[1:], rtol=1e-5)  # float64 atomics on the GPU
     ref, ref_counts = srelu_sparsify24_reference(z)
     assert torch.equal(buf.view(torch.int16), ref.view(torch.int16)) and torch.equal(counts, ref_counts)
     b = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
@@ -194,8 +199,15 @@ def test_srelu24_module_on_the_kernel_path_compiles_in_one_graph(monkeypatch):
     x = torch.randn(2, 32, 64)
     torch._dynamo.reset()
     want = m(x)
-    got = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    got = compiled(x)
     assert torch.allclose(got.float(), want.float()) and m.stats[ELEMENTS] == 2 * 64 * 128  # stats: both calls
+    # training steps as the trainer runs them: statistics on some steps, read and zeroed after
+    for collect in (True, False, True, True):
+        m.collect_stats = collect
+        compiled(x.clone().requires_grad_()).float().sum().backward()
+        m.stats.zero_()
+    assert not m.stats.requires_grad  # the buffer never joins the autograd graph
 
 
 @pytest.mark.parametrize("t,f", [(32, 64), (100, 128), (64, 192)])
@@ -248,3 +260,31 @@ def test_kernel_ffn_on_cuda_matches_the_reference():
         outs.append([y.float(), xx.grad.float(), a.grad, b.grad])
     for got, want in zip(outs[1], outs[0]):
         assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_srelu24_module_compiled_by_inductor_on_cuda():
+    """The trainer's compiled path on a GPU: inductor around the custom ops, logged and unlogged
+    steps with backward, against eager (same token permutations)."""
+    from model.ffn import SReLU24
+    from model.sparse24 import Sparse24Recipe
+
+    torch.manual_seed(0)
+    m = SReLU24(256, 1024, Sparse24Recipe()).cuda()
+    m.sparse = True
+    compiled = torch.compile(m)
+    x = torch.randn(4, 250, 256, device="cuda")
+    for collect in (True, False, True):
+        results = []
+        for fn in (m, compiled):
+            m.collect_stats = collect
+            m.w1.weight.grad = m.w2.weight.grad = None
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = fn(x)
+            torch.manual_seed(3)
+            y.float().square().mean().backward()
+            results.append([y.float(), m.w1.weight.grad, m.w2.weight.grad, m.stats.clone()])
+            m.stats.zero_()
+        for got, want in zip(results[1], results[0]):
+            assert ((got - want).norm() / want.norm().clamp(min=1e-12)).item() < 1e-2
+    assert not m.stats.requires_grad
