@@ -28,7 +28,8 @@ def describe_source(cfg: DataConfig) -> str:
     src = source_of(cfg)
     if src is Source.stdlib:
         # include_site_packages named only when on: caches prepared before it existed stay valid
-        site_dirs = "include_site_packages=True, " if cfg.include_site_packages else ""
+        # the directories themselves too: another machine's packages are another corpus
+        site_dirs = f"site_packages={site_packages()}, " if cfg.include_site_packages else ""
         what = f"stdlib(include_stdlib={cfg.include_stdlib}, {site_dirs}roots={list(cfg.roots)})"
     elif src is Source.files:
         what = f"files(paths={list(cfg.paths)}, text_field={cfg.text_field!r})"
@@ -64,8 +65,7 @@ def list_python_files(cfg: DataConfig, base_dir: Path) -> List[Path]:
     if cfg.include_stdlib:
         roots.append(Path(sysconfig.get_paths()["stdlib"]))
     if cfg.include_site_packages:
-        # every global site directory (Debian has several), not just sysconfig's purelib
-        roots += [Path(p) for p in site.getsitepackages() if Path(p).is_dir()]
+        roots += [Path(p) for p in site_packages()]
     for r in cfg.roots:
         p = Path(r) if Path(r).is_absolute() else Path(base_dir) / r
         if not p.exists():
@@ -79,6 +79,11 @@ def list_python_files(cfg: DataConfig, base_dir: Path) -> List[Path]:
                 seen.add(key)
                 files.append(f)
     return files
+
+
+def site_packages() -> List[str]:
+    """Every global site directory that exists (Debian has several), not just sysconfig's purelib."""
+    return [p for p in site.getsitepackages() if Path(p).is_dir()]
 
 
 def _walk_py(root: Path) -> Iterator[Path]:

@@ -3,7 +3,7 @@
     python scripts/compare.py runs/demo/multirun_2026-11-29_21-00-00       # every job of a sweep
     python scripts/compare.py runs/a runs/b --out reports/a_vs_b --baseline srelu
 
-Writes <out>/summary.md, <out>/summary.csv, val_loss.png, val_loss_delta.png (gap to --baseline),
+Writes <out>/summary.md, <out>/summary.csv, layers.csv (last per-layer statistics), val_loss.png, val_loss_delta.png (gap to --baseline),
 train_loss_time.png, throughput.png (ratios vs --baseline) and
 sparsity_heatmap_<run>.png (default out: <first input>/report); the table is also printed.
 metrics.jsonl is the source of truth. Throughput and MFU are medians over the log intervals after
@@ -79,6 +79,8 @@ def summarize(run: Path) -> dict:
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
     window = steady([r for r in train if "tokens_per_s" in r])
+    # srelu24: the 2:4 phase alone (intervals logged with 2:4 on, after the first: the switch)
+    sparse_window = [r for r in train if "tokens_per_s" in r and r.get("sparse24") == 1][1:]
     sparsity = [r["layers"]["act_sparsity"] for r in rows if r.get("layers", {}).get("act_sparsity")]
     mem = [r["mem_allocated_gib"] for r in rows if "mem_allocated_gib" in r]
     return {
@@ -88,6 +90,7 @@ def summarize(run: Path) -> dict:
         "final_loss": train[-1]["loss"] if train else None,
         "final_val_loss": val[-1]["val_loss"] if val else None,
         "tokens_per_s": median([r["tokens_per_s"] for r in window]),
+        "tokens_per_s_24": median([r["tokens_per_s"] for r in sparse_window]),
         "mfu": median([r["mfu"] for r in window if "mfu" in r]),
         "act_sparsity": statistics.fmean(sparsity[-1]) if sparsity else None,
         "peak_mem_gib": max(mem) if mem else None,
@@ -101,7 +104,8 @@ COLUMNS = [("run", "run", str), ("variant", "variant", str),
            ("tokens", "tokens", "{:,}".format), ("final_loss", "final train loss", "{:.4f}".format),
            ("final_val_loss", "final val loss", "{:.4f}".format),
            ("val_vs_baseline", "val loss vs baseline", "{:+.2%}".format),
-           ("tokens_per_s", "tokens/s (steady median)", "{:,.0f}".format), ("mfu", "MFU", "{:.1%}".format),
+           ("tokens_per_s", "tokens/s (steady median)", "{:,.0f}".format),
+           ("tokens_per_s_24", "tokens/s (2:4 phase median)", "{:,.0f}".format), ("mfu", "MFU", "{:.1%}".format),
            ("act_sparsity", "act sparsity (mean)", "{:.3f}".format),
            ("peak_mem_gib", "peak mem alloc (GiB)", "{:.2f}".format)]
 
@@ -121,6 +125,17 @@ def write_csv(rows: list[dict], path: Path) -> None:
         w = csv.writer(f)
         w.writerow([k for k, _, _ in COLUMNS])
         w.writerows(["" if absent(r[k]) else r[k] for k, _, _ in COLUMNS] for r in rows)
+
+
+def write_layers_csv(rows: list[dict], path: Path) -> None:
+    """The last logged per-layer statistics of each run: one row per run, statistic and layer."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run", "label", "step", "statistic", "layer", "value"])
+        for r in rows:
+            last = next((m for m in reversed(r["_rows"]) if m.get("layers")), None)
+            for stat, values in (last or {}).get("layers", {}).items():
+                w.writerows([r["run"], r["label"], last["step"], stat, i, v] for i, v in enumerate(values))
 
 
 def label_runs(rows: list[dict]) -> None:
@@ -234,8 +249,9 @@ def main(argv=None) -> int:
     else:
         names = [(r["label"], r["run"], r["name"]) for r in rows]
         matches = [i for i, n in enumerate(names) if args.baseline in n]
-        if not matches:
-            print(f"error: --baseline {args.baseline!r} is none of the runs: {', '.join(r['label'] for r in rows)}",
+        if len(matches) != 1:
+            what = "is none" if not matches else "matches more than one"
+            print(f"error: --baseline {args.baseline!r} {what} of the runs: {', '.join(r['label'] for r in rows)}",
                   file=sys.stderr)
             return 2
         base_index = matches[0]
@@ -249,6 +265,7 @@ def main(argv=None) -> int:
     print(table)
     (out / "summary.md").write_text(table + "\n")
     write_csv(rows, out / "summary.csv")
+    write_layers_csv(rows, out / "layers.csv")
 
     plots = []
     if line_plot(rows, "val_loss", "tokens", "tokens", "validation loss", out / "val_loss.png"):

@@ -67,7 +67,7 @@ def test_table_of_a_multirun(multirun, report):
     md = (report / "summary.md").read_text().splitlines()
     assert len(md) == 2 + len(JOBS) and md[0].startswith("| run | variant |")
     assert all(f"| {job} | {ffn} |" in "\n".join(md) for job, ffn in JOBS.items())
-    assert md[2].split("|")[10].strip() == "-"  # MFU column on CPU
+    assert md[2].split("|")[11].strip() == "-"  # MFU column on CPU
 
 
 @pytest.mark.slow
@@ -108,7 +108,23 @@ def test_baseline_sets_the_loss_gaps_and_ratios(multirun, report, tmp_path, caps
     capsys.readouterr()
     assert compare.main([str(multirun), "--baseline", "gelu", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --baseline 'gelu'") and "swiglu, srelu24" in err and len(err.splitlines()) == 1
+    assert err.startswith("error: --baseline 'gelu' is none") and "swiglu, srelu24" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_two_four_phase_throughput_and_per_layer_csv(multirun, report):
+    rows = {r["variant"]: r for r in read_csv(report / "summary.csv")}
+    assert rows["swiglu"]["tokens_per_s_24"] == ""  # no 2:4 phase
+    logged = metrics(multirun / "1_srelu24")
+    phase = [m["tokens_per_s"] for m in logged if m.get("sparse24") == 1 and "tokens_per_s" in m][1:]
+    assert phase and float(rows["srelu24"]["tokens_per_s_24"]) == pytest.approx(sorted(phase)[len(phase) // 2]
+                                                                               if len(phase) % 2 else
+                                                                               sum(sorted(phase)[len(phase) // 2 - 1:
+                                                                                   len(phase) // 2 + 1]) / 2)
+    layers = read_csv(report / "layers.csv")
+    last = [m for m in logged if m.get("layers")][-1]
+    got = [float(r["value"]) for r in layers if r["run"] == "1_srelu24" and r["statistic"] == "act_sparsity"]
+    assert got == pytest.approx(last["layers"]["act_sparsity"]) and len(got) >= 2  # one value per layer
 
 
 def test_no_run_found_is_exit_2_with_one_line(tmp_path, capsys):
