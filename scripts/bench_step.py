@@ -1,21 +1,24 @@
 """Whole training steps of the real model and optimizer: tokens/s, MFU, peak memory and the
-step-time breakdown (data, forward, backward, optimizer), one process, one device.
+step-time breakdown (data, forward, backward, optimizer), on one device or under torchrun.
 
     python scripts/bench_step.py +experiment=swiglu_1b                  # on a GPU
     python scripts/bench_step.py +experiment=sparse_1b --ffn-sweep      # swiglu, srelu, srelu24 in one run
     python scripts/bench_step.py +experiment=sparse_7b --layers 8       # 7B shapes, layers cut to fit one GPU
+    torchrun --nproc-per-node=2 scripts/bench_step.py +experiment=sparse_1b trainer.strategy=fsdp --ffn-sweep
 
-Batches are random tokens of the experiment's micro-batch and sequence length ("data" is
-building one on the host and copying it to the device); gradient accumulation is not
-timed (one micro-batch per step). srelu24 is measured in its 2:4 phase. Everything else is the
-trainer's: model, bf16 autocast on CUDA, fused AdamW, grad clipping, trainer.compile.
-Not yet: several GPUs (torchrun/FSDP2, issue 5). Writes a table and benchmarks/results/bench_step.json.
+The model is built exactly as the trainer builds it (training/distributed.py: meta device,
+activation checkpointing, torch.compile per block, FSDP2 / DDP, bf16 as the trainer uses it).
+Batches are random tokens of the experiment's micro-batch and sequence length, one micro-batch
+per rank and step ("data" is building it on the host and copying it to the device); gradient
+accumulation is not timed. srelu24 is measured in its 2:4 phase. tokens/s counts all ranks;
+MFU is per GPU. Rank 0 writes a table and benchmarks/results/bench_step.json.
 """
 import argparse
 import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,8 +31,10 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from model import FFNKind, Transformer, model_size  # noqa: E402
-from training.config import register_configs  # noqa: E402
+from training.config import Strategy, register_configs  # noqa: E402
+from training.distributed import build_model, clip_grad_norm, exit_process, setup, shutdown  # noqa: E402
 from training.logger import environment  # noqa: E402
+from training.loop import use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 
@@ -65,28 +70,30 @@ class Clock:
         return out
 
 
-def bench(cfg, args, device: torch.device) -> dict:
+def bench(cfg, args, d) -> dict:
+    device, t = d.device, cfg.trainer
     model_cfg = replace(cfg.model, n_layers=args.layers) if args.layers else cfg.model
     vocab = model_cfg.vocab_size or cfg.data.vocab_size
-    torch.manual_seed(0)
-    model = Transformer(model_cfg, cfg.ffn, vocab).to(device)
+    bf16 = use_bf16(t.precision, device)
+    fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"
+    model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab), t, d, 0, fsdp_bf16)
     model.set_sparse24(cfg.ffn.kind == FFNKind.srelu24)
     opt = build_optimizer(model, cfg.optim, device)
-    forward = torch.compile(model) if cfg.trainer.compile and not args.no_compile else model
-    B, S = cfg.trainer.micro_batch_size, cfg.trainer.seq_len
-    bf16 = device.type == "cuda"
+    B, S = t.micro_batch_size, t.seq_len
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not fsdp_bf16 else nullcontext()
+    params = [p for p in model.parameters() if p.requires_grad]
     clock, rows = Clock(device), []
     for i in range(args.warmup + args.steps):
         clock.mark()
         tokens = torch.randint(0, vocab, (B, S + 1)).to(device, non_blocking=True)
         x, y = tokens[:, :-1], tokens[:, 1:]
         clock.mark()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = forward(x, y)
+        with autocast:
+            loss = step_module(x, y)
         clock.mark()
         loss.backward()
         clock.mark()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+        clip_grad_norm(params, cfg.optim.grad_clip or float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
         clock.mark()
@@ -96,15 +103,17 @@ def bench(cfg, args, device: torch.device) -> dict:
     data, fw, bw, op = (statistics.median(col) for col in zip(*rows))
     step = data + fw + bw + op
     size = model_size(model, S)
-    tok_s = B * S / (step / 1e3)
+    tok_s = d.world_size * B * S / (step / 1e3)
     peak = peak_flops(device)
     result = {"ffn": cfg.ffn.kind.value, "model": model_cfg.name, "n_layers": model_cfg.n_layers,
               "layers_cut_from": cfg.model.n_layers if args.layers else None, "micro_batch": B, "seq_len": S,
-              "compile": forward is not model, "step_ms": step, "data_ms": data, "forward_ms": fw,
+              "world_size": d.world_size, "strategy": t.strategy.value,
+              "activation_checkpointing": t.activation_checkpointing.value, "compile": t.compile,
+              "step_ms": step, "data_ms": data, "forward_ms": fw,
               "backward_ms": bw, "optimizer_ms": op, "tokens_per_s": tok_s,
-              "mfu": size.flops_per_token * tok_s / peak if peak else None,
+              "mfu": size.flops_per_token * tok_s / d.world_size / peak if peak else None,
               "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
-    del model, opt, forward
+    del model, step_module, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -117,27 +126,43 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0, help="cut the layer count (per-layer figures still hold)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda (each rank takes cuda:LOCAL_RANK)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.json")
     ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=sparse_1b")
     args = ap.parse_args()
-    device = torch.device(args.device)
     variants = ["swiglu", "srelu", "srelu24"] if args.ffn_sweep else [None]
-    results = []
+    cfgs = []
     for v in variants:
         cfg = load_config(args.override + ([f"ffn={v}"] if v else []))
         if v and cfg.ffn.kind.value != v:  # an experiment that overrides ffn: force the variant
             cfg.ffn.kind = FFNKind(v)
-        results.append(bench(cfg, args, device))
-        print(json.dumps(results[-1]), flush=True)
+        cfg.trainer.device = args.device
+        cfg.trainer.compile = cfg.trainer.compile and not args.no_compile
+        cfgs.append(cfg)
+    d = setup(cfgs[0].trainer)  # the process group (torchrun, trainer.strategy), once for the sweep
+    try:
+        results = []
+        for cfg in cfgs:
+            results.append(bench(cfg, args, d))
+            if d.is_main:
+                print(json.dumps(results[-1]), flush=True)
+    finally:
+        shutdown(d)
+    if d.is_main:
+        report(args, results, d.device)
+    return 0
+
+
+def report(args, results: list[dict], device: torch.device) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
                                     "environment": environment(), "results": results}, indent=2))
     r0 = results[0]
     cut = f", layers cut to {r0['n_layers']} of {r0['layers_cut_from']}" if r0["layers_cut_from"] else ""
-    print(f"\n{' '.join(args.override)} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
-          f" (micro-batch {r0['micro_batch']} x {r0['seq_len']}{cut})")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\n{' '.join(args.override)} on {r0['world_size']} x {where} ({r0['strategy']}, micro-batch "
+          f"{r0['micro_batch']} x {r0['seq_len']} per rank{cut})")
     print("| ffn | step (ms) | data | forward | backward | optimizer | tokens/s | vs first | MFU | peak mem (GiB) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -146,8 +171,14 @@ def main() -> int:
         print(f"| {r['ffn']} | {r['step_ms']:.1f} | {r['data_ms']:.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} "
               f"| {r['optimizer_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r0['tokens_per_s']:.2f}x "
               f"| {mfu} | {mem} |")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except Exception:  # noqa: BLE001 - printed here: exit_process skips the interpreter's teardown
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_process(code)  # after a process group: see training/distributed.exit_process

@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT
+from test_distributed import start_torchrun, wait
 
 
 def test_ffn_sweep_on_cpu_writes_every_variant(tmp_path):
@@ -21,3 +24,21 @@ def test_ffn_sweep_on_cpu_writes_every_variant(tmp_path):
                                                              + x["optimizer_ms"])) < 1e-6
         assert x["mfu"] is None  # no MFU on CPU
     assert "layers cut to 1 of 4" in r.stdout and "| srelu24 |" in r.stdout
+
+
+def test_fsdp_sweep_under_torchrun_on_two_cpu_processes(tmp_path):
+    """The 2-GPU FSDP2 measurement's code path, on 2 CPU processes (gloo): rank 0 alone reports,
+    tokens/s counts both ranks."""
+    out = tmp_path / "bench.json"
+    log = tmp_path / "torchrun.log"
+    p = start_torchrun(["--ffn-sweep", "--steps", "1", "--warmup", "1", "--device", "cpu", "--layers", "1",
+                        "--out", str(out), "+experiment=demo", "trainer.strategy=fsdp", "trainer.micro_batch_size=4",
+                        "trainer.dist_timeout_s=60"], log, script=ROOT / "scripts" / "bench_step.py")
+    text = wait(p, log)
+    results = json.loads(out.read_text())["results"]
+    assert [x["ffn"] for x in results] == ["swiglu", "srelu", "srelu24"]
+    for x in results:
+        assert (x["world_size"], x["strategy"], x["micro_batch"]) == (2, "fsdp", 4)
+        assert x["tokens_per_s"] == pytest.approx(2 * 4 * x["seq_len"] / (x["step_ms"] / 1e3))
+    assert text.count("| srelu24 |") == 1  # one table, from rank 0
+    assert "on 2 x CPU (fsdp" in text

@@ -77,11 +77,11 @@ def wait(p: subprocess.Popen, log: Path, timeout: int = LAUNCH_TIMEOUT) -> str:
     return out
 
 
-def start_torchrun(args: list[str], log: Path, nproc: int = 2) -> subprocess.Popen:
+def start_torchrun(args: list[str], log: Path, nproc: int = 2, script: Path = ROOT / "train.py") -> subprocess.Popen:
     """torchrun on an explicit free port (c10d rendezvous), in its own process group."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
-           str(ROOT / "train.py"), *args]
+           str(script), *args]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
