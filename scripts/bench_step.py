@@ -14,6 +14,7 @@ accumulation is not timed. srelu24 is measured in its 2:4 phase. tokens/s counts
 MFU is per GPU. Rank 0 writes a table and benchmarks/results/bench_step.json.
 """
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -113,7 +114,11 @@ def bench(cfg, args, d) -> dict:
               "backward_ms": bw, "optimizer_ms": op, "tokens_per_s": tok_s,
               "mfu": size.flops_per_token * tok_s / d.world_size / peak if peak else None,
               "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
-    del model, step_module, opt
+    # FSDP2 and compiled modules sit in reference cycles: collect them, or the next variant of a
+    # sweep runs (and measures its peak memory) with this one's parameters still allocated
+    del model, step_module, opt, params, loss
+    gc.collect()
+    torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

@@ -393,3 +393,18 @@ def test_activation_checkpointing_recomputes_the_chosen_blocks(mode, recomputed)
             assert [i for i, c in enumerate(calls) if c == 2] == recomputed and set(calls) <= {1, 2}
     for n, g in grads["none"].items():
         assert torch.equal(g, grads[mode][n]), n
+
+
+def test_cuda_device_always_gets_an_index(monkeypatch):
+    """set_device and NCCL need cuda:N, also for one process with strategy ddp/fsdp (a bare
+    "cuda" crashed there); with several processes each takes cuda:LOCAL_RANK."""
+    from training.distributed import pick_device
+    from training.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("auto") == torch.device("cuda", 0)
+    assert pick_device("cuda", local_rank=3, world_size=4) == torch.device("cuda", 1)
+    assert pick_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match="each process takes cuda:LOCAL_RANK"):
+        pick_device("cuda:1", local_rank=0, world_size=2)

@@ -37,6 +37,9 @@ class Dist:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     enabled: bool = False  # a process group exists (strategy ddp / fsdp, also with one process)
+    # gloo, no practical timeout: for waits that may take hours (rank 0 tokenizing a corpus), which
+    # the main group's dist_timeout_s (NCCL's watchdog) would cut off
+    slow_group: object = None
 
     @property
     def is_main(self) -> bool:
@@ -86,11 +89,12 @@ def pick_device(name: str, local_rank: int = 0, world_size: int = 1) -> torch.de
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu or auto")
-    if device.type == "cuda" and world_size > 1:
-        if device.index is not None:
-            raise ConfigError(f"trainer.device={name} with {world_size} processes: use trainer.device=cuda or auto "
-                              "(each process takes cuda:LOCAL_RANK)")
-        # a step that binds one GPU per task shows each task only its own (device 0)
+    if device.type == "cuda" and world_size > 1 and device.index is not None:
+        raise ConfigError(f"trainer.device={name} with {world_size} processes: use trainer.device=cuda or auto "
+                          "(each process takes cuda:LOCAL_RANK)")
+    if device.type == "cuda" and device.index is None:
+        # an explicit index (set_device and NCCL need one, also with one process); a step that
+        # binds one GPU per task shows each task only its own (device 0)
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
     return device
 
@@ -119,7 +123,8 @@ def setup(t: TrainerConfig) -> Dist:
             _slurm_rendezvous()
         kw = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout, **kw)
-    return Dist(rank, local_rank, world, device, enabled=True)
+    slow = dist.new_group(backend="gloo", timeout=timedelta(days=7)) if world > 1 else None
+    return Dist(rank, local_rank, world, device, enabled=True, slow_group=slow)
 
 
 def shutdown(d: Dist) -> None:
@@ -223,12 +228,13 @@ def sum_over_ranks(x: torch.Tensor, d: Dist) -> torch.Tensor:
     return x
 
 
-def broadcast_object(obj, d: Dist):
-    """Rank 0's value on every rank."""
+def broadcast_object(obj, d: Dist, slow: bool = False):
+    """Rank 0's value on every rank. slow: through the gloo group without a practical timeout,
+    for a wait as long as rank 0's data preparation."""
     if not d.enabled or d.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=d.slow_group if slow else None)
     return box[0]
 
 

@@ -56,14 +56,18 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
         torch.set_num_threads(t.num_threads)
     run_dir = shared_run_dir(run_dir, d)
 
-    # rank 0 prepares missing shards while the others wait; then every rank finds them cached
+    # rank 0 prepares missing shards (hours, for a large corpus) while the others wait without a
+    # timeout; any failure there reaches every rank, then every rank finds the shards cached
     err = None
     if d.is_main:
         try:
             prepare(cfg.data, REPO_ROOT, progress=t.progress)
         except DataError as e:
             err = str(e)
-    err = broadcast_object(err, d)
+        except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here as it was
+            broadcast_object(f"data preparation failed on rank 0: {type(e).__name__}: {e}", d, slow=True)
+            raise
+    err = broadcast_object(err, d, slow=True)
     if err:
         raise DataError(err)
     shard_dir, manifest = prepare(cfg.data, REPO_ROOT, progress=False)
