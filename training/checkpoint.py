@@ -78,6 +78,20 @@ def _first_error(err: Optional[str]) -> Optional[str]:
     return e if _ranks()[1] == 1 else f"{e} (rank {r})"
 
 
+def _agreed(fn: Callable, *args):
+    """fn(*args) on every rank; a CheckpointError on any rank is raised on every rank (so a file
+    that one rank alone cannot read does not send the ranks down different paths)."""
+    out, err = None, None
+    try:
+        out = fn(*args)
+    except CheckpointError as e:
+        err = str(e)
+    err = _first_error(err)
+    if err:
+        raise CheckpointError(err)
+    return out
+
+
 @contextmanager
 def _quiet_dcp():
     """DCP warns on every call without a process group; one process is what we mean."""
@@ -288,15 +302,19 @@ def find_resume_checkpoint(resume: str, run_dir: Path) -> Optional[tuple[Path, d
         return None
     if resume != "auto":
         path = Path(resume)
-        if not is_checkpoint(path):
-            raise CheckpointError(f"trainer.resume={resume}: not a checkpoint directory (no {MANIFEST})")
+
+        def check(p: Path) -> None:
+            if not is_checkpoint(p):
+                raise CheckpointError(f"trainer.resume={resume}: not a checkpoint directory (no {MANIFEST})")
+
+        _agreed(check, path)
         verify_checkpoint(path)
-        return path, read_train_state(path)
+        return path, _agreed(read_train_state, path)
     rank, _ = _ranks()
     for path in _broadcast(list_checkpoints(run_dir) if rank == 0 else None):
         try:
             verify_checkpoint(path)
-            return path, read_train_state(path)
+            return path, _agreed(read_train_state, path)
         except CheckpointError as e:
             if rank == 0:
                 warnings.warn(f"skipping damaged checkpoint: {e}")
@@ -322,7 +340,12 @@ def load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 def load_rank_state(path: Path, rank: int, world_size: int) -> dict:
     """This rank's loader and RNG state. Written by another world size: rank 0's (the loader
-    position is global, and every rank's RNG follows the same stream from the same seed)."""
+    position is global, and every rank's RNG follows the same stream from the same seed).
+    Called by every rank; a failure on one is raised on all."""
+    return _agreed(_load_rank_state, path, rank, world_size)
+
+
+def _load_rank_state(path: Path, rank: int, world_size: int) -> dict:
     f = path / f"rank_{rank:05d}.pt"
     if read_train_state(path).get("world_size") != world_size:
         f = path / "rank_00000.pt"

@@ -107,11 +107,20 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             "strategy": t.strategy.value, "world_size": d.world_size,
             "params": asdict(size), "flops_per_token": size.flops_per_token, "shard_dir": str(shard_dir),
             "environment": environment()}
-    if d.is_main:
-        (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
-        (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-    logger = RunLogger(run_dir, cfg.logging.wandb, name=run_name, group=cfg.name, job_type=cfg.ffn.kind.value,
-                       config={**resolved, "run_info": info}, resumed=start > 0, rank=d.rank)
+    err, logger = None, None
+    try:  # rank 0 writes files and starts wandb; a failure there must stop every rank, not strand them
+        if d.is_main:
+            (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
+            (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+        logger = RunLogger(run_dir, cfg.logging.wandb, name=run_name, group=cfg.name, job_type=cfg.ffn.kind.value,
+                           config={**resolved, "run_info": info}, resumed=start > 0, rank=d.rank)
+    except Exception as e:  # noqa: BLE001 - shared below, then raised on every rank
+        err = f"could not start the run's logs in {run_dir}: {type(e).__name__}: {e}"
+    err = broadcast_object(err, d)  # rank 0's (only rank 0 writes or logs)
+    if err:
+        if logger is not None:
+            logger.close()
+        raise TrainingError(err)
 
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not fsdp_bf16 else nullcontext())
     is_sparse = cfg.ffn.kind == FFNKind.srelu24
