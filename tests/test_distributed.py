@@ -188,6 +188,8 @@ def test_stop_and_resume_across_two_processes_is_exact(two):
     assert {"rank_00000.pt", "rank_00001.pt", "train_state.json", "manifest.json", ".metadata"} <= set(saved)
     if two["strategy"] == "fsdp":  # each rank wrote its own shard
         assert {"__0_0.distcp", "__1_0.distcp"} <= set(saved)
+    manifest = json.loads((ckpt(two["split"], STOP) / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and set(manifest["files"]) == set(saved) - {"manifest.json"}  # each rank's own
     assert losses(two["split"]) == losses(two["straight"])
     a, b = weights(ckpt(two["split"], STEPS)), weights(ckpt(two["straight"], STEPS))
     assert a.keys() == b.keys() and len(a) > 0
@@ -408,3 +410,17 @@ def test_cuda_device_always_gets_an_index(monkeypatch):
     assert pick_device("cuda:1") == torch.device("cuda", 1)
     with pytest.raises(ConfigError, match="each process takes cuda:LOCAL_RANK"):
         pick_device("cuda:1", local_rank=0, world_size=2)
+
+
+def test_a_manifest_without_a_ranks_state_is_incomplete(tmp_path):
+    """verify refuses a checkpoint whose manifest misses a rank's state file (e.g. a stale listing
+    on a network filesystem when it was written), naming it."""
+    from training.checkpoint import CheckpointError, save_checkpoint, verify_checkpoint
+
+    path = save_checkpoint(tmp_path, 3, {"model": {"w": torch.ones(2)}, "rank": {"x": 1}, "note": "n"})
+    verify_checkpoint(path)
+    m = json.loads((path / "manifest.json").read_text())
+    m["world_size"] = 2  # as if written by 2 ranks and rank 1's file never listed
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=r"incomplete: its manifest lacks rank_00001\.pt"):
+        verify_checkpoint(path)

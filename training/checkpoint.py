@@ -138,10 +138,33 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_RANK_FILE = re.compile(r"^(?:__(\d+)_.*\.distcp|rank_(\d+)\.pt)$")  # DCP's per-rank shards, our rank state
+
+
+def _own_files(d: Path, rank: int) -> list[str]:
+    """The files of checkpoint dir d that this rank wrote: its DCP shards and rank state; rank 0
+    also everything not per rank (.metadata, train_state.json). Each rank lists what it wrote
+    itself: on a network filesystem rank 0's listing of the others' files can be stale."""
+    out = []
+    for p in d.iterdir():
+        m = _RANK_FILE.match(p.name)
+        owner = int(m.group(1) or m.group(2)) if m else 0
+        if owner == rank and p.name != MANIFEST:
+            out.append(p.name)
+    return sorted(out)
+
+
 def _hash_files(d: Path, names: list[str]) -> dict:
-    """{name: [size, sha256]} of this rank's share of `names` (ranks split the reading)."""
-    rank, world = _ranks()
-    return {n: [(d / n).stat().st_size, _sha256(d / n)] for n in names[rank::world]}
+    """{name: [size, sha256]} of names in d."""
+    return {n: [(d / n).stat().st_size, _sha256(d / n)] for n in names}
+
+
+def _missing_rank_files(manifest: dict) -> list[str]:
+    """Per-rank state files a complete checkpoint of manifest["world_size"] ranks must list. (DCP's
+    shards are not counted here: a rank may own none, e.g. under DDP; DCP's .metadata names the
+    ones it needs and dcp.load fails on every rank when one is missing.)"""
+    names, world = manifest["files"], manifest.get("world_size", 1)
+    return [f"rank_{r:05d}.pt" for r in range(world) if f"rank_{r:05d}.pt" not in names]
 
 
 # ---------------------------------------------------------------- save
@@ -187,13 +210,15 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 0) -
     hashes = {}
 
     def hash_files() -> None:
-        names = _broadcast(sorted(p.name for p in tmp.iterdir()) if rank == 0 else None)
-        for part in _gather(_hash_files(tmp, names)):
+        for part in _gather(_hash_files(tmp, _own_files(tmp, rank))):  # each rank hashes what it wrote
             hashes.update(part)
 
     def commit() -> None:
         if rank == 0:
-            manifest = {"format": FORMAT, "step": step, "files": hashes}
+            manifest = {"format": FORMAT, "step": step, "world_size": world, "files": hashes}
+            missing = _missing_rank_files(manifest)
+            if "rank" in state and missing:
+                raise OSError(f"files of some ranks are missing: {', '.join(missing)}")
             _write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
             _fsync_dir(tmp)
             if final.exists():  # a step saved again (resumed from an older one): set the old one aside
@@ -275,6 +300,9 @@ def verify_checkpoint(path: Path) -> None:
     if err:
         raise CheckpointError(err.removesuffix(" (rank 0)"))
     names = sorted(manifest["files"])
+    missing = _missing_rank_files(manifest) if any(n.startswith("rank_") for n in names) else []
+    if missing:  # every rank checks the same manifest: the same decision everywhere
+        raise CheckpointError(f"checkpoint {path} is incomplete: its manifest lacks {', '.join(missing)}")
     try:
         err = _check_files(path, manifest, names[rank::world])
     except OSError as e:
