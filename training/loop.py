@@ -176,7 +176,9 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
                 loss_sum += loss.detach()
             clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
             grad_norm = clip_grad_norm(params, clip)  # global: the same on every rank
-            # one small all-reduce per step: every rank skips (or stops) together
+            # one small all-reduce per step: every rank skips (or stops) together. It reads the
+            # gradient norm back: a host sync per step, before the optimizer (its cost on a GPU
+            # step is not measured yet; a device-side skip would remove it)
             nonfinite, stop_now = agree([not torch.isfinite(grad_norm).item(), stop.requested is not None], d)
             if not nonfinite:  # a NaN never reaches the weights
                 optimizer.step()
@@ -193,7 +195,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             row = {}
             if log_now:
                 model.collect_ffn_stats(False)
-                # the one host sync, every log_every steps: the loss and statistics of all ranks
+                # read back every log_every steps: the loss and statistics of all ranks
                 train_loss = (sum_over_ranks(loss_sum / accum, d) / d.world_size).item()
                 stats = sum_over_ranks(model.pop_ffn_stats(), d)
                 row.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), **meter.read(), sparse24=int(sparse_on),
