@@ -230,6 +230,23 @@ def test_token_sparsify_kernel_equals_reference(t, f, mode, permuted):
     assert torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("t,f", [(100, 128), (64, 192)])
+@pytest.mark.parametrize("reuse", [True, False])
+def test_token_sparsify_both_in_one_pass_equals_two(t, f, reuse):
+    """The one-pass variant writes exactly what the A24 and dZ passes write separately."""
+    from kernels.sparsify24_tokens import (a24_reference, dz_reference, sparsify_tokens_both,
+                                           sparsify_tokens_reference)
+
+    z, da = random_z(t, f, seed=t + 3 * f), random_z(t, f, seed=t * f + 1).flip(0).contiguous()
+    perm = torch.randperm(t, generator=torch.Generator().manual_seed(f))
+    dense = torch.tensor([2, 5, f - 3])
+    (a, a_full), (dz, dz_full) = sparsify_tokens_both(z, da, perm, dense, reuse_forward_mask=reuse)
+    want_a = sparsify_tokens_reference(a24_reference(z), perm, dense)
+    want_dz = sparsify_tokens_reference(dz_reference(da, z, reuse), perm, dense)
+    assert torch.equal(a.view(torch.int16), want_a[0].view(torch.int16)) and torch.equal(a_full, want_a[1])
+    assert torch.equal(dz.view(torch.int16), want_dz[0].view(torch.int16)) and torch.equal(dz_full, want_dz[1])
+
+
 def test_dz_compress_keeps_the_forward_positions():
     from kernels.sparsify24 import dz_sparsify24_reference
 
@@ -288,3 +305,17 @@ def test_srelu24_module_compiled_by_inductor_on_cuda():
         for got, want in zip(results[1], results[0]):
             assert ((got - want).norm() / want.norm().clamp(min=1e-12)).item() < 1e-2
     assert not m.stats.requires_grad
+
+
+@pytest.mark.gpu
+def test_token_sparsify_both_on_cuda_equals_the_two_passes():
+    """The one-pass candidate (scripts/bench_ffn.py times it) against the two kernels it would replace."""
+    from kernels.sparsify24_tokens import sparsify_tokens, sparsify_tokens_both
+
+    z, da = random_z(4000, 1024, seed=1, device="cuda"), random_z(4000, 1024, seed=2, device="cuda")
+    perm = torch.randperm(4000, device="cuda")
+    dense = torch.tensor([0, 17, 1000], device="cuda")
+    (a, a_full), (dz, dz_full) = sparsify_tokens_both(z, da, perm, dense)
+    want_a, want_dz = sparsify_tokens(z, perm, dense), sparsify_tokens(z, perm, dense, da=da)
+    assert torch.equal(a.view(torch.int16), want_a[0].view(torch.int16)) and torch.equal(a_full, want_a[1])
+    assert torch.equal(dz.view(torch.int16), want_dz[0].view(torch.int16)) and torch.equal(dz_full, want_dz[1])
