@@ -70,7 +70,7 @@ def _check_bf16(op: str, **tensors: Tensor) -> None:
 def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dense_feature_fraction: float,
                     token_permutation: bool, reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d], Z [T, F] for backward, kept non-zeros per feature [F] int32, the statistics
-    row [N_SUMS] float64: zeros unless collect_stats). The last two switches are the backward's,
+    row [N_SUMS] float64, empty unless collect_stats). The last two switches are the backward's,
     passed here so that the op's inputs hold the whole recipe."""
     _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T = x.shape[0]
@@ -79,10 +79,9 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
     totals = torch.zeros(3, dtype=torch.float64, device=z.device) if collect_stats else None
     buf, counts = srelu_sparsify24(z, totals=totals)
     y = sparse_mm(buf, w2.t())[:T]
-    if collect_stats:
-        row = sparse24_sums_from_counts(counts, totals, T, dense_feature_fraction)
-    else:
-        row = torch.zeros(N_SUMS, dtype=torch.float64, device=z.device)
+    # the row only on logged steps; otherwise an empty tensor (no launch on the hot path)
+    row = (sparse24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
+           else z.new_empty(0, dtype=torch.float64))
     return y, z, counts, row
 
 
@@ -91,7 +90,7 @@ def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse
     _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T, F_ = x.shape[0], w1.shape[0]
     return (x.new_empty(T, w2.shape[0]), x.new_empty(T, F_), x.new_empty(F_, dtype=torch.int32),
-            x.new_empty(N_SUMS, dtype=torch.float64))
+            x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64))
 
 
 @torch.library.custom_op("sparse24::srelu24_ffn_bwd", mutates_args=())

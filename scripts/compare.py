@@ -158,6 +158,17 @@ def label_runs(rows: list[dict]) -> None:
             r["label"] = f"{r['variant']} ({r['name']})"
 
 
+def _finish(fig, ax, path: Path, drawn: bool) -> bool:
+    """Grid, legend and save a line plot when something was drawn; close it either way."""
+    if drawn:
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    close(fig)
+    return drawn
+
+
 def line_plot(rows: list[dict], y: str, x: str, xlabel: str, ylabel: str, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     drawn = False
@@ -168,12 +179,7 @@ def line_plot(rows: list[dict], y: str, x: str, xlabel: str, ylabel: str, path: 
             drawn = True
     if drawn:
         ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{ylabel} vs {xlabel}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    close(fig)
-    return drawn
+    return _finish(fig, ax, path, drawn)
 
 
 def val_delta_plot(rows: list[dict], base: dict, path: Path) -> bool:
@@ -191,12 +197,7 @@ def val_delta_plot(rows: list[dict], base: dict, path: Path) -> bool:
         ax.axhline(0, color="k", lw=0.8, label=base["label"])
         ax.set(xlabel="tokens", ylabel=f"validation loss - {base['label']}'s",
                title=f"validation loss relative to {base['label']}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    close(fig)
-    return drawn
+    return _finish(fig, ax, path, drawn)
 
 
 def throughput_plot(rows: list[dict], path: Path, base_index: int = 0) -> bool:
