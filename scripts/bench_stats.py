@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_stats.json")
     ap.add_argument("override", nargs="*", help="extra Hydra overrides, e.g. trainer.micro_batch_size=4")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # Hydra overrides may come before or after the flags
     if not torch.cuda.is_available():
         print("error: bench_stats.py needs a CUDA GPU", file=sys.stderr)
         return 2

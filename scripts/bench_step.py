@@ -135,7 +135,7 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.json")
     ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=sparse_1b")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # Hydra overrides may come before or after the flags
     variants = ["swiglu", "srelu", "srelu24"] if args.ffn_sweep else [None]
     cfgs = []
     for v in variants:

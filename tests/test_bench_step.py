@@ -12,8 +12,9 @@ from test_distributed import start_torchrun, wait
 
 def test_ffn_sweep_on_cpu_writes_every_variant(tmp_path):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--ffn-sweep", "--steps", "1",
-                        "--warmup", "1", "--device", "cpu", "--layers", "1", "--out", str(out), "+experiment=demo"],
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "+experiment=demo", "--ffn-sweep",
+                        "--steps", "1", "--warmup", "1", "--device", "cpu", "--layers", "1", "--out", str(out),
+                        "logging.wandb.mode=disabled"],  # overrides on both sides of the flags
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
