@@ -88,11 +88,9 @@ def _store_words(meta_ptr, tile, prow, m, w0, w1, w2, w3):
 
 
 @triton.jit
-def _sparsify_tokens_kernel(z_ptr, da_ptr, perm_ptr, slot_ptr, full_ptr, val_ptr, meta_ptr,
-                            full2_ptr, val2_ptr, meta2_ptr, T, Tp, stride_z, stride_da,
-                            MODE: tl.constexpr, REUSE: tl.constexpr, BANDS: tl.constexpr):
-    """MODE 0: S(A24)^T; 1: S(dZ)^T; 2: both from one read of Z (A24 to the first outputs, dZ to
-    the *2 ones)."""
+def _sparsify_tokens_kernel(z_ptr, da_ptr, perm_ptr, slot_ptr, full_ptr, val_ptr, meta_ptr, T, Tp, stride_z,
+                            stride_da, MODE: tl.constexpr, REUSE: tl.constexpr, BANDS: tl.constexpr):
+    """MODE 0: S(A24)^T; 1: S(dZ)^T."""
     kc = tl.program_id(0)
     tok = kc * 32 + tl.arange(0, 32)
     valid = tok < T
@@ -108,10 +106,6 @@ def _sparsify_tokens_kernel(z_ptr, da_ptr, perm_ptr, slot_ptr, full_ptr, val_ptr
         w1 = tl.zeros([8, 4], dtype=tl.int32)
         w2 = tl.zeros([8, 4], dtype=tl.int32)
         w3 = tl.zeros([8, 4], dtype=tl.int32)
-        u0 = tl.zeros([8, 4], dtype=tl.int32)  # MODE 2: dZ's words
-        u1 = tl.zeros([8, 4], dtype=tl.int32)
-        u2 = tl.zeros([8, 4], dtype=tl.int32)
-        u3 = tl.zeros([8, 4], dtype=tl.int32)
         for b in tl.static_range(2):
             f0 = band * 64 + (ca // 2) * 16 + b * 8 + (ca % 2) * 4   # feature of q = 0 in each group
             z0, z1 = _tile(z_ptr, src, f0, stride_z, valid), _tile(z_ptr, src, f0 + 1, stride_z, valid)
@@ -120,36 +114,29 @@ def _sparsify_tokens_kernel(z_ptr, da_ptr, perm_ptr, slot_ptr, full_ptr, val_ptr
             a0, a1 = round_to_bf16(r0 * r0), round_to_bf16(r1 * r1)
             a2, a3 = round_to_bf16(r2 * r2), round_to_bf16(r3 * r3)
             fk0, fk1, fk2, fk3, _p0, _p1, _x0, _x1 = top2_of_4(a0, a1, a2, a3)  # the forward mask
-            if MODE != 1:  # A24
+            if MODE == 0:  # A24
                 v0, v1, v2, v3 = a0 * fk0, a1 * fk1, a2 * fk2, a3 * fk3
                 w0 += _token_select(v0, f0, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
                 w1 += _token_select(v1, f0 + 1, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
                 w2 += _token_select(v2, f0 + 2, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
                 w3 += _token_select(v3, f0 + 3, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
-            if MODE != 0:  # dZ = dA * 2 relu(Z), rounded once as torch does, [* forward mask]
+            if MODE == 1:  # dZ = dA * 2 relu(Z), rounded once as torch does, [* forward mask]
                 d0 = round_to_bf16(_tile(da_ptr, src, f0, stride_da, valid) * (2 * r0))
                 d1 = round_to_bf16(_tile(da_ptr, src, f0 + 1, stride_da, valid) * (2 * r1))
                 d2 = round_to_bf16(_tile(da_ptr, src, f0 + 2, stride_da, valid) * (2 * r2))
                 d3 = round_to_bf16(_tile(da_ptr, src, f0 + 3, stride_da, valid) * (2 * r3))
                 if REUSE:
                     d0, d1, d2, d3 = tl.where(fk0, d0, 0.0), tl.where(fk1, d1, 0.0), tl.where(fk2, d2, 0.0), tl.where(fk3, d3, 0.0)
-                if MODE == 1:
-                    w0 += _token_select(d0, f0, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
-                    w1 += _token_select(d1, f0 + 1, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
-                    w2 += _token_select(d2, f0 + 2, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
-                    w3 += _token_select(d3, f0 + 3, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
-                else:
-                    u0 += _token_select(d0, f0, slot_ptr, full2_ptr, tok, val2_ptr, vcols, Tp, 4 * b, hshift)
-                    u1 += _token_select(d1, f0 + 1, slot_ptr, full2_ptr, tok, val2_ptr, vcols, Tp, 4 * b, hshift)
-                    u2 += _token_select(d2, f0 + 2, slot_ptr, full2_ptr, tok, val2_ptr, vcols, Tp, 4 * b, hshift)
-                    u3 += _token_select(d3, f0 + 3, slot_ptr, full2_ptr, tok, val2_ptr, vcols, Tp, 4 * b, hshift)
+                w0 += _token_select(d0, f0, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
+                w1 += _token_select(d1, f0 + 1, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
+                w2 += _token_select(d2, f0 + 2, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
+                w3 += _token_select(d3, f0 + 3, slot_ptr, full_ptr, tok, val_ptr, vcols, Tp, 4 * b, hshift)
         tile = (band * (Tp // 32) + kc) * 128
         _store_words(meta_ptr, tile, prow, m, w0, w1, w2, w3)
-        if MODE == 2:
-            _store_words(meta2_ptr, tile, prow, m, u0, u1, u2, u3)
 
 
-def _check(z: Tensor, da: Optional[Tensor]) -> int:
+def check_tokens_input(z: Tensor, da: Optional[Tensor]) -> int:
+    """Tp, the token count padded to 32, after checking z (and da) can be indexed by the kernels."""
     T, Fh = z.shape
     if Fh % 64:
         raise ValueError(f"sparsify_tokens needs the feature count to be a multiple of 64, got {Fh}")
@@ -161,29 +148,33 @@ def _check(z: Tensor, da: Optional[Tensor]) -> int:
     return Tp
 
 
+def dense_slots(dense: Optional[Tensor], Fh: int, device) -> tuple[Tensor, int]:
+    """[F] int32: each dense feature's row in the [k, Tp] dense buffer, -1 for the others; and k."""
+    slots = torch.full((Fh,), -1, dtype=torch.int32, device=device)
+    k = 0 if dense is None else dense.numel()
+    if k:
+        slots[dense] = torch.arange(k, dtype=torch.int32, device=device)
+    return slots, k
+
+
 def _outputs(Fh: int, Tp: int, k: int, device) -> tuple[Tensor, Tensor]:
     full = torch.zeros(max(k, 1), Tp, dtype=torch.bfloat16, device=device)  # padding tokens stay 0
     return torch.empty(compressed_numel(Fh, Tp), dtype=torch.bfloat16, device=device), full
 
 
-def _launch(z, da, perm, dense, mode: int, reuse: bool, bands: int, num_warps: int) -> list[tuple[Tensor, Tensor]]:
+def _launch(z, da, perm, dense, mode: int, reuse: bool, bands: int, num_warps: int) -> tuple[Tensor, Tensor]:
     T, Fh = z.shape
-    Tp = _check(z, da)
+    Tp = check_tokens_input(z, da)
     order = (perm if perm is not None else torch.arange(T, device=z.device)).to(torch.int32)
-    slots = torch.full((Fh,), -1, dtype=torch.int32, device=z.device)
-    k = 0 if dense is None else dense.numel()
-    if k:
-        slots[dense] = torch.arange(k, dtype=torch.int32, device=z.device)
-    outs = [_outputs(Fh, Tp, k, z.device) for _ in range(2 if mode == 2 else 1)]
-    (buf, full), (buf2, full2) = outs[0], outs[-1]
+    slots, k = dense_slots(dense, Fh, z.device)
+    buf, full = _outputs(Fh, Tp, k, z.device)
     n_bands = Fh // 64
     bands = next(b for b in (bands, 4, 2, 1) if n_bands % b == 0)
     da_ = da if da is not None else z
     _sparsify_tokens_kernel[(Tp // 32, n_bands // bands)](
-        z, da_, order, slots, full, buf, buf[Fh * Tp // 2:].view(torch.int16),
-        full2, buf2, buf2[Fh * Tp // 2:].view(torch.int16), T, Tp, z.stride(0), da_.stride(0),
+        z, da_, order, slots, full, buf, buf[Fh * Tp // 2:].view(torch.int16), T, Tp, z.stride(0), da_.stride(0),
         MODE=mode, REUSE=reuse, BANDS=bands, num_warps=num_warps)
-    return [(b.view(Fh, -1), f[:k]) for b, f in outs]
+    return buf.view(Fh, -1), full[:k]
 
 
 def sparsify_tokens(z: Tensor, perm: Optional[Tensor], dense: Optional[Tensor], da: Optional[Tensor] = None,
@@ -191,13 +182,4 @@ def sparsify_tokens(z: Tensor, perm: Optional[Tensor], dense: Optional[Tensor], 
     """Fused S(V)^T, V = A24 of z (da None) or dZ of (da, z). z, da: [T, F] row-major bf16,
     F % 64 == 0; perm: [T] token order (None: identity); dense: feature indices kept dense.
     Returns (compressed S(V)^T [F, 9 Tp / 16], V^T of the dense features [k, Tp], permuted)."""
-    return _launch(z, da, perm, dense, 0 if da is None else 1, reuse_forward_mask, bands, num_warps)[0]
-
-
-def sparsify_tokens_both(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
-                         reuse_forward_mask: bool = True, bands: int = 4,
-                         num_warps: int = 4) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """sparsify_tokens(z, perm, dense) and sparsify_tokens(z, perm, dense, da) from one pass over
-    Z (one gather of the permuted rows, one recomputation of the forward mask) instead of two."""
-    a, dz = _launch(z, da, perm, dense, 2, reuse_forward_mask, bands, num_warps)
-    return a, dz
+    return _launch(z, da, perm, dense, 0 if da is None else 1, reuse_forward_mask, bands, num_warps)

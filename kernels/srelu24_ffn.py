@@ -6,9 +6,9 @@ Same function as model.sparse24.srelu24_ffn (its reference), GEMM by GEMM:
     backward  dA = dY W2 (dense)
               dX = dZ W1                 sparse: dZ compressed with the forward positions
                                          (dense GEMM when reuse_forward_mask is off)
-              dW2 = dY^T S(A24)          sparse: S()^T from kernels/sparsify24_tokens.py,
-              dW1 = S(dZ)^T X            tokens permuted, dense features zeroed there and
-                                         computed by a dense GEMM over those features
+              dW2 = dY^T S(A24)          sparse: S()^T tokens permuted, dense features zeroed
+              dW1 = S(dZ)^T X            there and computed by a dense GEMM over those features
+              the three sparse operands from one pass (kernels/sparsify24_backward.py)
 
 Inputs in bf16 (the autocast dtype); tokens are padded to 64 for the sparse operands.
 """
@@ -20,7 +20,8 @@ from model.sparse24 import Sparse24Recipe
 from model.stats import N_SUMS, sparse24_sums_from_counts
 
 from .sparsify24 import srelu_sparsify24
-from .sparsify24_tokens import padded_tokens, sparsify_tokens
+from .sparsify24_backward import backward_operands
+from .sparsify24_tokens import padded_tokens
 
 
 def available(x: Tensor) -> bool:
@@ -102,20 +103,21 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     T = x.shape[0]
     dy = dy.to(torch.bfloat16).contiguous()
     da = dy @ w2                                           # [T, F] dense
-    if reuse_forward_mask:
-        dz_buf, _ = srelu_sparsify24(z, da=da)
-        dx = sparse_mm(dz_buf, w1)[:T]
-    else:  # dZ is not 2:4 then: a dense GEMM (the ablation, not the fast path)
-        dx = (da * (2 * F.relu(z))) @ w1
-
     perm = torch.randperm(T, device=x.device) if token_permutation else None
     k = int(round(dense_feature_fraction * z.shape[1]))
     dense = torch.sort(-counts, stable=True).indices[:k] if k > 0 else None
+    # one pass over Z and dA writes all three sparse operands (dZ's rows in permuted order)
+    dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(z, da, perm, dense, reuse_forward_mask)
+    if reuse_forward_mask:
+        dx = sparse_mm(dz_buf, w1)[:T]
+        if perm is not None:                               # back to token order
+            dx = torch.empty_like(dx).index_copy_(0, perm, dx)
+    else:  # dZ is not 2:4 then: a dense GEMM (the ablation, not the fast path)
+        dx = (da * (2 * F.relu(z))) @ w1
+
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
-    s_a, a_dense = sparsify_tokens(z, perm, dense)
-    s_dz, dz_dense = sparsify_tokens(z, perm, dense, da=da, reuse_forward_mask=reuse_forward_mask)
     dw2 = sparse_mm(s_a, dy_p).t().contiguous()            # [d, F]
     dw1 = sparse_mm(s_dz, x_p)                             # [F, d]
     if dense is not None:                                  # exact gradients of the dense features

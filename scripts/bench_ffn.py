@@ -10,6 +10,7 @@ Writes tables and benchmarks/results/bench_ffn.json.
 import argparse
 import json
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.cslt_layout import decompress  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_kernels  # noqa: E402
-from kernels.sparsify24_tokens import sparsify_tokens, sparsify_tokens_both  # noqa: E402
+from kernels.sparsify24_backward import backward_operands  # noqa: E402
+from kernels.sparsify24_tokens import sparsify_tokens  # noqa: E402
 from model.sparse24 import Sparse24Recipe, srelu24_ffn  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
@@ -120,7 +122,8 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled) -> dict:
 
 
 def breakdown(D: int, Fh: int, T: int) -> dict:
-    """srelu24's fw+bw, piece by piece (each timed alone)."""
+    """srelu24's fw+bw, piece by piece (each timed alone). Rows marked (previous) are the three
+    kernels the one-pass backward replaced, timed for comparison and not counted in the sum."""
     x = torch.randn(T, D, device="cuda", dtype=BF)
     w1 = torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5
     w2 = torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5
@@ -134,23 +137,77 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
     Tp = s_a.shape[1] * 16 // 9
     dy_p, x_p = F.pad(dy[perm], (0, 0, 0, Tp - T)), F.pad(x[perm], (0, 0, 0, Tp - T))
     dzb, _ = srelu_sparsify24(z, da=da)
+    dx_p = sparse_mm(dzb, w1)[:T]
     parts = {
         "fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
         "fw: fused srelu+2:4+compress": lambda: srelu_sparsify24(z),
         "fw: Y = A24 W2^T (sparse)": lambda: sparse_mm(buf, w2.t()),
         "bw: dA = dY W2 (dense)": lambda: dy @ w2,
-        "bw: dZ compress (fused)": lambda: srelu_sparsify24(z, da=da),
+        "bw: dZ, S(A24)^T, S(dZ)^T in one pass (fused)": lambda: backward_operands(z, da, perm, dense),
         "bw: dX = dZ W1 (sparse)": lambda: sparse_mm(dzb, w1),
+        "bw: dX rows back to token order": lambda: torch.empty_like(dx_p).index_copy_(0, perm, dx_p),
         "bw: permute dY and X": lambda: (dy[perm], x[perm]),
-        "bw: S(A24)^T (fused)": lambda: sparsify_tokens(z, perm, dense),
-        "bw: S(dZ)^T (fused)": lambda: sparsify_tokens(z, perm, dense, da=da),
-        # candidate (not yet in the FFN): the two passes above from one read of Z
-        "bw: S(A24)^T + S(dZ)^T in one pass (candidate)": lambda: sparsify_tokens_both(z, da, perm, dense),
+        "bw: dZ compress (previous)": lambda: srelu_sparsify24(z, da=da),
+        "bw: S(A24)^T (previous)": lambda: sparsify_tokens(z, perm, dense),
+        "bw: S(dZ)^T (previous)": lambda: sparsify_tokens(z, perm, dense, da=da),
         "bw: dW2 (sparse)": lambda: sparse_mm(s_a, dy_p),
         "bw: dW1 (sparse)": lambda: sparse_mm(s_dz, x_p),
         "bw: dense-feature GEMMs": lambda: (a_d @ dy_p, dz_d @ x_p),
     }
     return {k: bench(fn) for k, fn in parts.items()}
+
+
+def host_ms(fn, n: int = 50) -> float:
+    """Host time per call (enqueueing only): at the small shapes this is used for, the GPU keeps
+    up, so the wall time of n unsynchronised calls is the Python + launch + library set-up cost."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e3
+
+
+def kernel_ms(fn, n: int = 5) -> tuple[float, list]:
+    """GPU kernel time per call (sum over kernels, torch.profiler) and the 8 costliest kernels:
+    against the do_bench time of the same call, the gap is the GPU idling on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / n) for e in prof.key_averages()
+            if getattr(e, "self_device_time_total", 0) > 0]
+    rows.sort(key=lambda r: -r[1])
+    return sum(t for _, t in rows), [(k[:70], round(t, 4)) for k, t in rows[:8]]
+
+
+def host_and_gpu(D: int, Fh: int, T: int) -> dict:
+    """Where the small shapes lose: per fw+bw call, host time at T=512 (GPU work negligible) for
+    dense eager and srelu24, and srelu24's kernel time vs its do_bench time at T."""
+    out = {}
+    for t, what in ((512, "host"), (T, "gpu")):
+        x = torch.randn(t, D, device="cuda", dtype=BF, requires_grad=True)
+        gy = torch.randn(t, D, device="cuda", dtype=BF)
+        w1 = (torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5).requires_grad_()
+        w2 = (torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5).requires_grad_()
+        sparse = fwbw(lambda x, a, b: srelu24_ffn_kernels(x, a, b, RECIPE), x, [w1, w2], gy)
+        if what == "host":
+            dense = fwbw(lambda x, a, b: F.linear(F.relu(F.linear(x, a)).square(), b), x, [w1, w2], gy)
+            buf, _ = srelu_sparsify24(F.linear(x, w1).detach())
+            out.update({"host_ms_fwbw_dense_eager_T512": host_ms(dense), "host_ms_fwbw_srelu24_T512": host_ms(sparse),
+                        "host_ms_one_sparse_mm": host_ms(lambda: sparse_mm(buf, w2.t())),
+                        "host_ms_one_dense_mm": host_ms(lambda: F.linear(x.detach(), w1.detach()))})
+        else:
+            k, top = kernel_ms(sparse)
+            out.update({"T": T, "srelu24_fwbw_do_bench_ms": bench(sparse), "srelu24_fwbw_kernel_ms": k,
+                        "srelu24_top_kernels": top})
+    return out
 
 
 def tune_sparsify(z) -> dict:
@@ -180,9 +237,9 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled) -> dict:
     except Exception:  # noqa: BLE001
         alg = 0
 
-    def sparse_fw():
-        b, _ = srelu_sparsify24(F.linear(x, w1), **best)
-        return torch._cslt_sparse_mm(b, w2.t(), alg_id=alg)[:T]
+    def sparse_fw():  # the product's path (custom op, default launch configuration), no autograd
+        with torch.no_grad():
+            return srelu24_ffn_kernels(x, w1, w2, RECIPE)
 
     def dense_fw():
         return F.linear(F.relu(F.linear(x, w1)).square(), w2)
@@ -210,7 +267,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="4096,16384,65536")
     ap.add_argument("--shapes", default="1B,7B")
-    ap.add_argument("--parts", default="checks,forward,fwbw,breakdown")
+    ap.add_argument("--parts", default="checks,forward,fwbw,breakdown,overhead")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_ffn.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -239,13 +296,13 @@ def main() -> int:
             fb.append(time_fwbw(name, *shapes[name], T, compiled_fwbw))
             print(json.dumps(fb[-1]), flush=True)
             torch.cuda.empty_cache()
-    parts = breakdown(4096, 16384, 16384) if "breakdown" in parts_wanted else {}
-    parts_small = breakdown(2048, 8192, 4096) if "breakdown" in parts_wanted else {}
+    shapes_bd = {"7B, T=16384": (4096, 16384, 16384), "1B, T=16384": (2048, 8192, 16384), "1B, T=4096": (2048, 8192, 4096)}
+    bd = {k: breakdown(*v) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
+    overhead = {k: host_and_gpu(*v) for k, v in shapes_bd.items()} if "overhead" in parts_wanted else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
                                     "environment": environment(), "checks": checks, "forward": rows,
-                                    "fwbw": fb, "breakdown_7b_16384": parts,
-                                    "breakdown_1b_4096": parts_small}, indent=2))
+                                    "fwbw": fb, "breakdown": bd, "overhead": overhead}, indent=2))
     print(f"\n{torch.cuda.get_device_name()}: forward")
     print("| shape | T | copy | fused sparsify (x copy) | dense fw eager | dense fw compiled | swiglu fw | srelu24 fw | vs eager | vs compiled |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -260,13 +317,13 @@ def main() -> int:
         print(f"| {r['shape']} | {r['T']} | {r['fwbw_dense_eager_ms']:.3f} | {r['fwbw_dense_compiled_ms']:.3f} "
               f"| {r['fwbw_swiglu_ms']:.3f} | {r['fwbw_srelu24_ms']:.3f} | {r['fwbw_speedup_vs_eager']:.2f}x "
               f"| {r['fwbw_speedup_vs_compiled']:.2f}x |")
-    print("\nsrelu24 at 7B, T=16384, piece by piece (ms)")
-    for k, v in parts.items():
-        print(f"| {k} | {v:.3f} |")
-    print(f"| sum (without candidates) | {sum(v for k, v in parts.items() if '(candidate)' not in k):.3f} |")
-    print("\nsrelu24 at 1B, T=4096, piece by piece (ms)")
-    for k, v in parts_small.items():
-        print(f"| {k} | {v:.3f} |")
+    for name, parts in bd.items():
+        print(f"\nsrelu24 at {name}, piece by piece (ms)")
+        for k, v in parts.items():
+            print(f"| {k} | {v:.3f} |")
+        print(f"| sum (without previous) | {sum(v for k, v in parts.items() if '(previous)' not in k):.3f} |")
+    for name, o in overhead.items():
+        print(f"\nhost and GPU at {name}: " + json.dumps(o))
     return 0
 
 

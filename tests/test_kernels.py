@@ -230,21 +230,27 @@ def test_token_sparsify_kernel_equals_reference(t, f, mode, permuted):
     assert torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("t,f", [(100, 128), (64, 192)])
+@pytest.mark.parametrize("t,f", [(32, 64), (100, 128), (80, 192), (130, 64)])
+@pytest.mark.parametrize("permuted", [False, True])
 @pytest.mark.parametrize("reuse", [True, False])
-def test_token_sparsify_both_in_one_pass_equals_two(t, f, reuse):
-    """The one-pass variant writes exactly what the A24 and dZ passes write separately."""
-    from kernels.sparsify24_tokens import (a24_reference, dz_reference, sparsify_tokens_both,
-                                           sparsify_tokens_reference)
+def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
+    """The one-pass backward kernel writes dZ (feature-dim, permuted rows), S(A24)^T and S(dZ)^T
+    bit for bit as the references do, including token counts not a multiple of 32 or 64 (80:
+    dZ's rows pad to 128 but the token operands to 96)."""
+    from kernels.sparsify24_backward import backward_operands, backward_operands_reference
 
     z, da = random_z(t, f, seed=t + 3 * f), random_z(t, f, seed=t * f + 1).flip(0).contiguous()
-    perm = torch.randperm(t, generator=torch.Generator().manual_seed(f))
-    dense = torch.tensor([2, 5, f - 3])
-    (a, a_full), (dz, dz_full) = sparsify_tokens_both(z, da, perm, dense, reuse_forward_mask=reuse)
-    want_a = sparsify_tokens_reference(a24_reference(z), perm, dense)
-    want_dz = sparsify_tokens_reference(dz_reference(da, z, reuse), perm, dense)
-    assert torch.equal(a.view(torch.int16), want_a[0].view(torch.int16)) and torch.equal(a_full, want_a[1])
-    assert torch.equal(dz.view(torch.int16), want_dz[0].view(torch.int16)) and torch.equal(dz_full, want_dz[1])
+    g = torch.Generator().manual_seed(f + t)
+    perm = torch.randperm(t, generator=g) if permuted else None
+    dense = torch.tensor([2, 5, f - 3]) if permuted else None
+    got = backward_operands(z, da, perm, dense, reuse_forward_mask=reuse)
+    want = backward_operands_reference(z, da, perm, dense, reuse_forward_mask=reuse)
+    if reuse:
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    else:
+        assert got[0] is None and want[0] is None
+    for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
+        assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
 
 
 def test_dz_compress_keeps_the_forward_positions():
@@ -308,14 +314,14 @@ def test_srelu24_module_compiled_by_inductor_on_cuda():
 
 
 @pytest.mark.gpu
-def test_token_sparsify_both_on_cuda_equals_the_two_passes():
-    """The one-pass candidate (scripts/bench_ffn.py times it) against the two kernels it would replace."""
-    from kernels.sparsify24_tokens import sparsify_tokens, sparsify_tokens_both
+def test_backward_operands_on_cuda_equal_reference():
+    """The one-pass backward kernel compiled for the GPU, bit for bit against the reference."""
+    from kernels.sparsify24_backward import backward_operands, backward_operands_reference
 
     z, da = random_z(4000, 1024, seed=1, device="cuda"), random_z(4000, 1024, seed=2, device="cuda")
     perm = torch.randperm(4000, device="cuda")
     dense = torch.tensor([0, 17, 1000], device="cuda")
-    (a, a_full), (dz, dz_full) = sparsify_tokens_both(z, da, perm, dense)
-    want_a, want_dz = sparsify_tokens(z, perm, dense), sparsify_tokens(z, perm, dense, da=da)
-    assert torch.equal(a.view(torch.int16), want_a[0].view(torch.int16)) and torch.equal(a_full, want_a[1])
-    assert torch.equal(dz.view(torch.int16), want_dz[0].view(torch.int16)) and torch.equal(dz_full, want_dz[1])
+    got, want = backward_operands(z, da, perm, dense), backward_operands_reference(z, da, perm, dense)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
+        assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)

@@ -1,0 +1,160 @@
+"""The srelu24 backward's three sparse operands from one pass over Z and dA.
+
+With the forward mask re-used, the backward needs (tokens permuted by `perm`):
+
+    dZ   compressed along features at the forward's positions, rows in permuted order
+         (dX = dZ W1 then comes out permuted; the caller scatters its rows back)
+    S(A24)^T, S(dZ)^T  2:4 along tokens, transposed (dW2 = dY^T S(A24), dW1 = S(dZ)^T X), the
+         dense features zeroed there and their exact values written to [k, Tp] buffers
+
+Three separate kernels read Z three times and dA twice (2.2 ms at 7B, T=16384). Here one
+program reads a [32 tokens, 64 features] tile of Z and dA (gathered rows, 128-byte
+contiguous), recomputes the forward mask along features, writes the dZ operand from the tile
+as it is, transposes the tile in registers and writes both token-dimension operands.
+Reference: `backward_operands_reference`, which the kernel must match bit for bit.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .cslt_layout import compressed_numel
+from .sparsify24 import dz_sparsify24_reference, padded_rows, round_to_bf16, top2_of_4
+from .sparsify24_tokens import (a24_reference, check_tokens_input, dense_slots, dz_reference,
+                                sparsify_tokens_reference)
+
+
+def backward_operands_reference(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
+                                reuse_forward_mask: bool = True):
+    """(compressed dZ of the permuted rows [padded_rows(T), 9F/16] (None without
+    reuse_forward_mask: dZ is not 2:4 then), (S(A24)^T, A24^T of the dense features),
+    (S(dZ)^T, dZ^T of the dense features))."""
+    zp, dap = (z[perm], da[perm]) if perm is not None else (z, da)
+    return (dz_sparsify24_reference(zp, dap) if reuse_forward_mask else None,
+            sparsify_tokens_reference(a24_reference(z), perm, dense),
+            sparsify_tokens_reference(dz_reference(da, z, reuse_forward_mask), perm, dense))
+
+
+@triton.jit
+def _split4(x):
+    """[R, 4G] -> the four [R, G] slices of feature (or token) position q = 0..3 in each group of 4."""
+    R: tl.constexpr = x.shape[0]
+    G: tl.constexpr = x.shape[1] // 4
+    lo, hi = tl.split(tl.reshape(x, [R, G, 2, 2]))  # [.., q >> 1, q & 1]
+    x0, x2 = tl.split(lo)
+    x1, x3 = tl.split(hi)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _join4(x0, x1, x2, x3):
+    """Inverse of _split4."""
+    R: tl.constexpr = x0.shape[0]
+    G: tl.constexpr = x0.shape[1]
+    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [R, 4 * G])
+
+
+@triton.jit
+def _token_operand(v, dense, slot, feats, tok, store_ok, val_ptr, meta_ptr, full_ptr, band, kc, Tp):
+    """S(V)^T for one [32 tokens, 64 features] tile: dense features to full[slot] and zeroed,
+    2:4 along tokens, one 64x32 metadata tile (rows = features 16c + 8b + a, groups 4h + m)."""
+    tl.store(full_ptr + slot[None, :] * Tp + tok[:, None], v.to(tl.bfloat16), mask=dense[None, :] & store_ok)
+    vt = tl.trans(tl.where(dense[None, :], 0.0, v))               # [64 features, 32 tokens]
+    t0, t1, t2, t3 = _split4(vt)
+    _k0, _k1, _k2, _k3, p0, p1, x0, x1 = top2_of_4(t0, t1, t2, t3)
+    vcols = kc * 16 + tl.arange(0, 16)
+    tl.store(val_ptr + feats[:, None] * (Tp // 2) + vcols[None, :],
+             tl.reshape(tl.join(x0, x1), [64, 16]).to(tl.bfloat16), mask=store_ok)
+    nib = tl.reshape(p0 | (p1 << 2), [4, 2, 8, 2, 4])              # [c, b, a, h, m]
+    shift = 4 * (tl.arange(0, 2)[None, :, None, None, None] + 2 * tl.arange(0, 2)[None, None, None, :, None])
+    words = tl.sum(tl.sum(nib << shift, axis=3), axis=1)          # [c, a, m]; bits never overlap
+    c = tl.arange(0, 4)[:, None, None]
+    a = tl.arange(0, 8)[None, :, None]
+    m = tl.arange(0, 4)[None, None, :]
+    tile = (band * (Tp // 32) + kc) * 128
+    tl.store(meta_ptr + tile + 4 * (8 * c + a) + m, words.to(tl.int16), mask=store_ok)
+
+
+@triton.jit
+def _backward_operands_kernel(z_ptr, da_ptr, order_ptr, slot_ptr, dzv_ptr, dzm_ptr, av_ptr, am_ptr, afull_ptr,
+                              gv_ptr, gm_ptr, gfull_ptr, T, Tp, F, stride_z, stride_da, REUSE: tl.constexpr,
+                              BANDS: tl.constexpr):
+    """Program (32-token chunk kc, group of BANDS 64-feature bands). Tokens >= T read as zeros;
+    chunks past Tp (dZ's rows are padded to 64, the token operands to 32) write only dZ.
+    Without REUSE (the ablation) dZ is not masked and its feature-dimension operand not written."""
+    kc = tl.program_id(0)
+    i = tl.arange(0, 32)
+    tok = kc * 32 + i
+    valid = tok < T
+    src = tl.load(order_ptr + tok, mask=valid, other=0)
+    store_ok = kc * 32 < Tp
+    for j in range(BANDS):
+        band = tl.program_id(1) * BANDS + j
+        feats = band * 64 + tl.arange(0, 64)
+        offs = src[:, None] * stride_z + feats[None, :]
+        z = tl.load(z_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + src[:, None] * stride_da + feats[None, :], mask=valid[:, None], other=0.0)
+        r = tl.maximum(z, 0.0)
+        a = round_to_bf16(r * r)
+        dz = round_to_bf16(da.to(tl.float32) * (2 * r))           # rounded once, as torch does
+        a0, a1, a2, a3 = _split4(a)
+        k0, k1, k2, k3, p0, p1, _x0, _x1 = top2_of_4(a0, a1, a2, a3)  # the forward mask
+        d0, d1, d2, d3 = _split4(dz)
+
+        if REUSE:  # dZ along features at the forward positions: rows kc*32 + i of the permuted order
+            x0 = tl.where(p0 == 0, d0, tl.where(p0 == 1, d1, d2))
+            x1 = tl.where(p1 == 3, d3, tl.where(p1 == 2, d2, d1))
+            tl.store(dzv_ptr + tok[:, None] * (F // 2) + band * 32 + tl.arange(0, 32)[None, :],
+                     tl.reshape(tl.join(x0, x1), [32, 32]).to(tl.bfloat16))
+            # metadata: row i = 16c' + 8b + a of the half band kc % 2, group g = 8 ch + 4h + m
+            nib = tl.reshape(p0 | (p1 << 2), [2, 2, 8, 2, 2, 4])  # [c', b, a, ch, h, m]
+            shift = 4 * (tl.arange(0, 2)[None, :, None, None, None, None]
+                         + 2 * tl.arange(0, 2)[None, None, None, None, :, None])
+            words = tl.sum(tl.sum(nib << shift, axis=4), axis=1)  # [c', a, ch, m]
+            c = (kc % 2) * 2 + tl.arange(0, 2)[:, None, None, None]
+            a_ = tl.arange(0, 8)[None, :, None, None]
+            ch = tl.arange(0, 2)[None, None, :, None]
+            m = tl.arange(0, 4)[None, None, None, :]
+            tile = ((kc // 2) * (F // 32) + band * 2 + ch) * 128
+            tl.store(dzm_ptr + tile + 4 * (8 * c + a_) + m, words.to(tl.int16))
+
+        # token-dimension operands of A24 and of dZ, both under the forward mask
+        keep = _join4(k0.to(tl.int8), k1.to(tl.int8), k2.to(tl.int8), k3.to(tl.int8)) != 0
+        slot = tl.load(slot_ptr + feats)
+        dense = slot >= 0
+        _token_operand(tl.where(keep, a, 0.0), dense, slot, feats, tok, store_ok, av_ptr, am_ptr, afull_ptr,
+                       band, kc, Tp)
+        _token_operand(tl.where(keep, dz, 0.0) if REUSE else dz, dense, slot, feats, tok, store_ok, gv_ptr, gm_ptr, gfull_ptr,
+                       band, kc, Tp)
+
+
+def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
+                      reuse_forward_mask: bool = True, bands: int = 4, num_warps: int = 8):
+    """Fused backward_operands_reference. z, da: [T, F] row-major bf16, F % 64 == 0; perm: [T]
+    token order (None: identity); dense: feature indices kept dense (None: none)."""
+    T, Fh = z.shape
+    Tp = check_tokens_input(z, da)
+    Tr = padded_rows(T)
+    if Tr * Fh >= 2**31:
+        raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
+    order = (perm if perm is not None else torch.arange(T, device=z.device)).to(torch.int32)
+    slots, k = dense_slots(dense, Fh, z.device)
+    # without the forward mask dZ is not 2:4 and the kernel writes no feature-dimension operand
+    dz_buf = torch.empty(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, dtype=torch.bfloat16,
+                         device=z.device)
+    dz_meta = dz_buf[Tr * Fh // 2:] if reuse_forward_mask else dz_buf
+    outs = []
+    for _ in range(2):
+        full = torch.zeros(max(k, 1), Tp, dtype=torch.bfloat16, device=z.device)  # padding tokens stay 0
+        outs.append((torch.empty(compressed_numel(Fh, Tp), dtype=torch.bfloat16, device=z.device), full))
+    (a_buf, a_full), (g_buf, g_full) = outs
+    n_bands = Fh // 64
+    bands = next(b for b in (bands, 4, 2, 1) if n_bands % b == 0)
+    meta = lambda buf, n: buf[n:].view(torch.int16)  # noqa: E731 - metadata words follow the values
+    _backward_operands_kernel[(Tr // 32, n_bands // bands)](
+        z, da, order, slots, dz_buf, dz_meta.view(torch.int16), a_buf, meta(a_buf, Fh * Tp // 2), a_full,
+        g_buf, meta(g_buf, Fh * Tp // 2), g_full, T, Tp, Fh, z.stride(0), da.stride(0),
+        REUSE=reuse_forward_mask, BANDS=bands, num_warps=num_warps)
+    return dz_buf.view(Tr, -1) if reuse_forward_mask else None, (a_buf.view(Fh, -1), a_full[:k]), (g_buf.view(Fh, -1), g_full[:k])
