@@ -131,9 +131,10 @@ def _backward_operands_kernel(z_ptr, da_ptr, order_ptr, slot_ptr, dzv_ptr, dzm_p
 
 
 def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
-                      reuse_forward_mask: bool = True, bands: int = 4, num_warps: int = 8):
+                      reuse_forward_mask: bool = True, bands: int = 1, num_warps: int = 4):
     """Fused backward_operands_reference. z, da: [T, F] row-major bf16, F % 64 == 0; perm: [T]
-    token order (None: identity); dense: feature indices kept dense (None: none)."""
+    token order (None: identity); dense: feature indices kept dense (None: none). The default
+    launch configuration was the fastest of bands 1-8 x warps 4-16 on the H200 at 1B and 7B."""
     T, Fh = z.shape
     Tp = check_tokens_input(z, da)
     Tr = padded_rows(T)

@@ -1,4 +1,5 @@
-"""The srelu24 FFN on sparse tensor cores: the fused kernels + cuSPARSELt (`torch._cslt_sparse_mm`).
+"""The srelu24 FFN on sparse tensor cores: the fused kernels + cuSPARSELt (plans cached by
+kernels/cusparselt.py; algorithm ids from torch's search).
 
 Same function as model.sparse24.srelu24_ffn (its reference), GEMM by GEMM:
 
@@ -19,6 +20,7 @@ from torch import Tensor
 from model.sparse24 import Sparse24Recipe
 from model.stats import N_SUMS, sparse24_sums_from_counts
 
+from .cusparselt import cached_mm
 from .sparsify24 import srelu_sparsify24
 from .sparsify24_backward import backward_operands
 from .sparsify24_tokens import padded_tokens
@@ -53,6 +55,8 @@ def sparse_mm(a: Tensor, b: Tensor) -> Tensor:
         except (AttributeError, RuntimeError, TypeError):
             pass  # no search in this build (or the CPU stand-in in tests): the default algorithm
     alg = _ALG[key]
+    if a.is_cuda:  # plans cached: torch's op re-plans every call (~0.8 ms of host time)
+        return cached_mm(a, b, alg)
     return torch._cslt_sparse_mm(a, b, alg_id=alg) if alg else torch._cslt_sparse_mm(a, b)
 
 

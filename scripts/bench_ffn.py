@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels.cslt_layout import decompress  # noqa: E402
-from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_kernels  # noqa: E402
+from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_bwd, srelu24_ffn_fwd, srelu24_ffn_kernels  # noqa: E402
 from kernels.sparsify24_backward import backward_operands  # noqa: E402
 from kernels.sparsify24_tokens import sparsify_tokens  # noqa: E402
 from model.sparse24 import Sparse24Recipe, srelu24_ffn  # noqa: E402
@@ -200,9 +200,23 @@ def host_and_gpu(D: int, Fh: int, T: int) -> dict:
         if what == "host":
             dense = fwbw(lambda x, a, b: F.linear(F.relu(F.linear(x, a)).square(), b), x, [w1, w2], gy)
             buf, _ = srelu_sparsify24(F.linear(x, w1).detach())
+            xd, w1d, w2d = x.detach(), w1.detach(), w2.detach()
+            y, z, counts, _ = srelu24_ffn_fwd(xd, w1d, w2d, False, 0.05, True, True)
+            perm = torch.randperm(t, device="cuda")
+            da = gy @ w2d
             out.update({"host_ms_fwbw_dense_eager_T512": host_ms(dense), "host_ms_fwbw_srelu24_T512": host_ms(sparse),
                         "host_ms_one_sparse_mm": host_ms(lambda: sparse_mm(buf, w2.t())),
-                        "host_ms_one_dense_mm": host_ms(lambda: F.linear(x.detach(), w1.detach()))})
+                        "host_ms_one_torch_cslt_sparse_mm": host_ms(lambda: torch._cslt_sparse_mm(buf, w2d.t())),
+                        "host_ms_one_dense_mm": host_ms(lambda: F.linear(xd, w1d)),
+                        "host_ms_op_fwd": host_ms(lambda: srelu24_ffn_fwd(xd, w1d, w2d, False, 0.05, True, True)),
+                        "host_ms_op_bwd": host_ms(lambda: srelu24_ffn_bwd(gy, xd, w1d, w2d, z, counts, True, 0.05, True)),
+                        "host_ms_sparsify_launch": host_ms(lambda: srelu_sparsify24(z)),
+                        "host_ms_backward_operands_launch": host_ms(lambda: backward_operands(z, da, perm, None)),
+                        "host_ms_randperm_sort": host_ms(lambda: (torch.randperm(t, device="cuda"),
+                                                                  torch.sort(-counts, stable=True)))})
+            impl = getattr(srelu24_ffn_bwd, "_init_fn", None)  # the Python function under the op
+            if impl is not None:
+                out["host_ms_bwd_without_op_dispatch"] = host_ms(lambda: impl(gy, xd, w1d, w2d, z, counts, True, 0.05, True))
         else:
             k, top = kernel_ms(sparse)
             out.update({"T": T, "srelu24_fwbw_do_bench_ms": bench(sparse), "srelu24_fwbw_kernel_ms": k,

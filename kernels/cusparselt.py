@@ -1,0 +1,172 @@
+"""cuSPARSELt 2:4 GEMMs with cached plans, called through ctypes.
+
+`torch._cslt_sparse_mm` builds every cuSPARSELt descriptor and the matmul plan from scratch on
+each call and destroys them after: on the H200 that costs 0.73-0.84 ms of host time per call
+against 0.03 ms for a dense `F.linear` (benchmarks/RESULTS.md). The srelu24 FFN makes four such
+calls per layer and step, so at 1B shapes the GPU waited on the host. Here the descriptors and
+the plan are built once per (shape, layout, algorithm) and kept; a call is one
+`cusparseLtMatmul` on the current stream.
+
+The descriptors are the ones `torch._cslt_sparse_mm` sets up (aten/src/ATen/native/sparse/cuda/
+cuSPARSELtOps.cpp), so the compressed operand is the same buffer: A [m, k] 2:4 row-major
+(compressed, as kernels/sparsify24*.py write it), B [k, n] row-major or the transpose of a
+row-major [n, k], D [m, n] row-major bf16, fp32 accumulation. The library is the one torch
+loaded. Each new plan's product is checked once against torch's; any failure (library not
+found, an error status, a different product) falls back to torch._cslt_sparse_mm with a
+warning, so this can only make the GEMM cheaper to launch, never wrong.
+"""
+import ctypes
+import glob
+import os
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# enum values of cusparseLt.h (0.5+) and library_types.h / cusparse.h
+_CUDA_R_16BF, _ORDER_ROW, _OP_N, _OP_T = 14, 2, 0, 1
+_SPARSITY_50, _COMPUTE_32F, _ALG_DEFAULT, _ALG_CONFIG_ID = 0, 2, 0, 0
+_OPAQUE_BYTES = 16384  # the opaque structs are 1 KiB or less in 0.5-0.8; room to spare, 64-byte aligned
+
+
+class _Opaque:
+    """An aligned host buffer standing in for one of cuSPARSELt's opaque structs."""
+
+    def __init__(self):
+        self._buf = ctypes.create_string_buffer(_OPAQUE_BYTES + 64)
+        self.ptr = ctypes.c_void_p((ctypes.addressof(self._buf) + 63) & ~63)
+
+
+def _find_library() -> Optional[str]:
+    """The libcusparseLt torch loaded (its path from the process's memory map), else the
+    nvidia-cusparselt wheel's copy beside torch."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libcusparseLt" in line:
+                    return line.split()[-1]
+    except OSError:
+        pass
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    found = sorted(glob.glob(os.path.join(site, "nvidia", "cusparselt*", "lib", "libcusparseLt.so*")))
+    return found[0] if found else None
+
+
+class _Lib:
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        p, i64, u32, i32, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int, ctypes.c_size_t
+        sigs = {
+            "cusparseLtInit": [p],
+            "cusparseLtStructuredDescriptorInit": [p, p, i64, i64, i64, u32, i32, i32, i32],
+            "cusparseLtDenseDescriptorInit": [p, p, i64, i64, i64, u32, i32, i32],
+            "cusparseLtMatmulDescriptorInit": [p, p, i32, i32, p, p, p, p, i32],
+            "cusparseLtMatmulAlgSelectionInit": [p, p, p, i32],
+            "cusparseLtMatmulAlgSetAttribute": [p, p, i32, p, sz],
+            "cusparseLtMatmulPlanInit": [p, p, p, p],
+            "cusparseLtMatmulGetWorkspace": [p, p, ctypes.POINTER(sz)],
+            "cusparseLtMatmul": [p, p, p, p, p, p, p, p, p, p, i32],
+        }
+        for name, args in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+            setattr(self, name, fn)
+        self.handle = _Opaque()
+        self.check("cusparseLtInit", self.handle.ptr)
+
+    def check(self, name: str, *args) -> None:
+        status = getattr(self, name)(*args)
+        if status != 0:
+            raise RuntimeError(f"{name} returned cuSPARSELt status {status}")
+
+
+class _Plan:
+    """Descriptors, plan and workspace of one GEMM shape; `run` enqueues it."""
+
+    def __init__(self, lib: _Lib, m: int, k: int, n: int, b_transposed: bool, alg: int, device):
+        self.lib, self.m, self.n = lib, m, n
+        h = lib.handle.ptr
+        self.a, self.b, self.d = _Opaque(), _Opaque(), _Opaque()
+        self.mm, self.sel, self.plan = _Opaque(), _Opaque(), _Opaque()
+        lib.check("cusparseLtStructuredDescriptorInit", h, self.a.ptr, m, k, k, 16, _CUDA_R_16BF, _ORDER_ROW,
+                  _SPARSITY_50)
+        rows, cols = (n, k) if b_transposed else (k, n)
+        lib.check("cusparseLtDenseDescriptorInit", h, self.b.ptr, rows, cols, cols, 16, _CUDA_R_16BF, _ORDER_ROW)
+        lib.check("cusparseLtDenseDescriptorInit", h, self.d.ptr, m, n, n, 16, _CUDA_R_16BF, _ORDER_ROW)
+        lib.check("cusparseLtMatmulDescriptorInit", h, self.mm.ptr, _OP_N, _OP_T if b_transposed else _OP_N,
+                  self.a.ptr, self.b.ptr, self.d.ptr, self.d.ptr, _COMPUTE_32F)
+        lib.check("cusparseLtMatmulAlgSelectionInit", h, self.sel.ptr, self.mm.ptr, _ALG_DEFAULT)
+        alg_id = ctypes.c_int(alg)
+        lib.check("cusparseLtMatmulAlgSetAttribute", h, self.sel.ptr, _ALG_CONFIG_ID, ctypes.byref(alg_id),
+                  ctypes.sizeof(alg_id))
+        lib.check("cusparseLtMatmulPlanInit", h, self.plan.ptr, self.mm.ptr, self.sel.ptr)
+        ws = ctypes.c_size_t(0)
+        lib.check("cusparseLtMatmulGetWorkspace", h, self.plan.ptr, ctypes.byref(ws))
+        self.workspace = torch.empty(max(ws.value, 1), dtype=torch.uint8, device=device)
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.stream = (ctypes.c_void_p * 1)()
+
+    def run(self, a: Tensor, b: Tensor) -> Tensor:
+        d = torch.empty(self.m, self.n, dtype=torch.bfloat16, device=a.device)
+        self.stream[0] = torch.cuda.current_stream(a.device).cuda_stream
+        self.lib.check("cusparseLtMatmul", self.lib.handle.ptr, self.plan.ptr, ctypes.byref(self.alpha),
+                       a.data_ptr(), b.data_ptr(), ctypes.byref(self.beta), d.data_ptr(), d.data_ptr(),
+                       self.workspace.data_ptr(), self.stream, 1)
+        return d
+
+
+_LIB: dict = {}     # device index -> _Lib, or None where it could not be loaded
+_PLANS: dict = {}   # (device, m, k, n, b_transposed, alg) -> _Plan, or None: use torch's op
+
+
+def _warn_fallback(why: str) -> None:
+    warnings.warn(f"cuSPARSELt plan cache unavailable ({why}); using torch._cslt_sparse_mm, which re-plans "
+                  "every call (about 0.8 ms of host time each)", RuntimeWarning, stacklevel=3)
+
+
+def _library(device) -> Optional[_Lib]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _LIB:
+        _LIB[idx] = None
+        path = _find_library()
+        if path is None:
+            _warn_fallback("libcusparseLt not found")
+        else:
+            try:
+                with torch.cuda.device(idx):
+                    _LIB[idx] = _Lib(path)
+            except (OSError, AttributeError, RuntimeError) as e:
+                _warn_fallback(f"{path}: {e}")
+    return _LIB[idx]
+
+
+def cached_mm(a: Tensor, b: Tensor, alg: int) -> Tensor:
+    """torch._cslt_sparse_mm(a, b, alg_id=alg) for a bf16 compressed A [m, 9k/16] on CUDA and
+    B [k, n] (row-major, or the transpose of a row-major matrix), with the plan built once."""
+    b_transposed = not b.is_contiguous()
+    if b_transposed and not b.t().is_contiguous():
+        b = b.contiguous()
+        b_transposed = False
+    m, (k, n) = a.shape[0], b.shape
+    key = (a.device, m, k, n, b_transposed, alg)
+    if key not in _PLANS:
+        _PLANS[key] = None
+        lib = _library(a.device)
+        if lib is not None:
+            try:
+                plan = _Plan(lib, m, k, n, b_transposed, alg, a.device)
+                want = torch._cslt_sparse_mm(a, b, alg_id=alg) if alg else torch._cslt_sparse_mm(a, b)
+                got = plan.run(a, b)
+                if torch.equal(got, want):
+                    _PLANS[key] = plan
+                else:
+                    err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+                    _warn_fallback(f"its product differs from torch's for A [{m}, {k}], B [{k}, {n}], "
+                                   f"alg {alg}: relative difference {err:.2e}")
+            except RuntimeError as e:
+                _warn_fallback(str(e))
+    plan = _PLANS[key]
+    if plan is None:
+        return torch._cslt_sparse_mm(a, b, alg_id=alg) if alg else torch._cslt_sparse_mm(a, b)
+    return plan.run(a, b)
