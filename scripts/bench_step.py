@@ -71,6 +71,21 @@ class Clock:
         return out
 
 
+def profile_kernels(train_step, steps: int, top: int = 12) -> tuple[float, list]:
+    """GPU kernel time per step (torch.profiler, summed over kernels) and the costliest kernels
+    as [name, ms per step, launches per step]: step time minus kernel time is the GPU idling."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            train_step()
+        torch.cuda.synchronize()
+    rows = [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps, e.count / steps)
+            for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    rows.sort(key=lambda r: -r[1])
+    return sum(r[1] for r in rows), [[k[:90], round(ms, 3), round(n, 1)] for k, ms, n in rows[:top]]
+
+
 def bench(cfg, args, d) -> dict:
     device, t = d.device, cfg.trainer
     model_cfg = replace(cfg.model, n_layers=args.layers) if args.layers else cfg.model
@@ -84,7 +99,8 @@ def bench(cfg, args, d) -> dict:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not fsdp_bf16 else nullcontext()
     params = [p for p in model.parameters() if p.requires_grad]
     clock, rows = Clock(device), []
-    for i in range(args.warmup + args.steps):
+
+    def train_step(step_module=step_module, opt=opt, params=params) -> list[float]:
         clock.mark()
         tokens = torch.randint(0, vocab, (B, S + 1)).to(device, non_blocking=True)
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -98,10 +114,14 @@ def bench(cfg, args, d) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         clock.mark()
-        phases = clock.phases_ms()
+        return clock.phases_ms()
+
+    for i in range(args.warmup + args.steps):
+        phases = train_step()
         if i >= args.warmup:
             rows.append(phases)
     data, fw, bw, op = (statistics.median(col) for col in zip(*rows))
+    kernels = profile_kernels(train_step, args.profile) if args.profile and device.type == "cuda" else None
     step = data + fw + bw + op
     size = model_size(model, S)
     tok_s = d.world_size * B * S / (step / 1e3)
@@ -114,9 +134,11 @@ def bench(cfg, args, d) -> dict:
               "backward_ms": bw, "optimizer_ms": op, "tokens_per_s": tok_s,
               "mfu": size.flops_per_token * tok_s / d.world_size / peak if peak else None,
               "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    if kernels is not None:
+        result["kernel_ms_per_step"], result["top_kernels"] = kernels
     # FSDP2 and compiled modules sit in reference cycles: collect them, or the next variant of a
     # sweep runs (and measures its peak memory) with this one's parameters still allocated
-    del model, step_module, opt, params, loss
+    del model, step_module, opt, params, train_step
     gc.collect()
     torch._dynamo.reset()
     if device.type == "cuda":
@@ -133,6 +155,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda (each rank takes cuda:LOCAL_RANK)")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="after timing, profile this many steps: GPU kernel time per step and the top kernels")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.json")
     ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=sparse_1b")
     args = ap.parse_intermixed_args()  # Hydra overrides may come before or after the flags
@@ -176,6 +200,12 @@ def report(args, results: list[dict], device: torch.device) -> None:
         print(f"| {r['ffn']} | {r['step_ms']:.1f} | {r['data_ms']:.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} "
               f"| {r['optimizer_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r0['tokens_per_s']:.2f}x "
               f"| {mfu} | {mem} |")
+    for r in results:
+        if r.get("top_kernels"):
+            print(f"\n{r['ffn']}: GPU kernels {r['kernel_ms_per_step']:.1f} ms per step of {r['step_ms']:.1f} "
+                  "(ms per step, launches per step):")
+            for name, ms, n in r["top_kernels"]:
+                print(f"  {ms:8.3f} {n:6.1f}  {name}")
 
 
 if __name__ == "__main__":
