@@ -47,18 +47,6 @@ def activation_totals_reference(z: Tensor) -> Tensor:
     return torch.stack([(a != 0).sum().double(), sq.sum(), torch.where(keep, 0.0, sq).sum()])
 
 
-def dz_sparsify24_reference(z: Tensor, da: Tensor) -> Tensor:
-    """Compressed dZ = dA * 2 relu(Z), at the positions the forward 2:4 kept (rows padded to 64)."""
-    a = F.relu(z).square()
-    keep = mask_2to4(a)
-    dz = da * (2 * F.relu(z))
-    pad = padded_rows(z.shape[0]) - z.shape[0]
-    keep_p = F.pad(keep, (0, 0, 0, pad))
-    if pad:
-        keep_p[z.shape[0]:] = mask_2to4(torch.zeros_like(keep_p[z.shape[0]:], dtype=a.dtype))
-    return compress(F.pad(dz, (0, 0, 0, pad)), keep_p)
-
-
 @triton.jit
 def round_to_bf16(x):
     """fp32 -> the nearest bf16 (ties to even), kept in fp32, as torch rounds a bf16 product.
@@ -89,11 +77,10 @@ def top2_of_4(v0, v1, v2, v3):
 
 
 @triton.jit
-def _srelu_sparsify24_kernel(z_ptr, da_ptr, val_ptr, meta_ptr, counts_ptr, totals_ptr, M, K, stride_zm,
-                             BANDS: tl.constexpr, COUNTS: tl.constexpr, DZ: tl.constexpr, TOTALS: tl.constexpr):
+def _srelu_sparsify24_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, totals_ptr, M, K, stride_zm,
+                             BANDS: tl.constexpr, COUNTS: tl.constexpr, TOTALS: tl.constexpr):
     """Program (chunk, band group): one 32-column chunk of BANDS 64-row bands. Per band, two
     [32 rows, 32 cols] loads (rows 16c + 8b + a for b = 0, 1), viewed as [32, h, m, 4].
-    DZ: store dZ = dA * 2 relu(Z) at the positions the forward kept, instead of A24.
     TOTALS (logged steps): also add [non-zeros, sum a^2, dropped sum a^2] of the activation
     a = relu(Z)^2 to totals_ptr (for model/stats.py)."""
     kc = tl.program_id(0)
@@ -123,14 +110,6 @@ def _srelu_sparsify24_kernel(z_ptr, da_ptr, val_ptr, meta_ptr, counts_ptr, total
             v0, v2 = tl.split(lo)
             v1, v3 = tl.split(hi)
             k0, k1, k2, k3, p0, p1, x0, x1 = top2_of_4(v0, v1, v2, v3)
-            if DZ:  # same positions, dZ values (da has z's strides)
-                da = tl.load(da_ptr + rows[:, None] * stride_zm + cols[None, :], mask=rows[:, None] < M, other=0.0)
-                dz = round_to_bf16(da.to(tl.float32) * (2 * zf))
-                lo, hi = tl.split(tl.reshape(dz, [32, 2, 4, 2, 2]))
-                d0, d2 = tl.split(lo)
-                d1, d3 = tl.split(hi)
-                x0 = tl.where(p0 == 0, d0, tl.where(p0 == 1, d1, d2))
-                x1 = tl.where(p1 == 3, d3, tl.where(p1 == 2, d2, d1))
             vals = tl.reshape(tl.join(x0, x1), [32, 16]).to(tl.bfloat16)
             tl.store(val_ptr + rows[:, None] * (K // 2) + vcols[None, :], vals)
             words += tl.sum((p0 | (p1 << 2)) << (hshift + 4 * b), axis=1)  # bits never overlap: + is |
@@ -160,12 +139,10 @@ def _srelu_sparsify24_kernel(z_ptr, da_ptr, val_ptr, meta_ptr, counts_ptr, total
 
 
 def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: int = 4,
-                     da: Optional[Tensor] = None, totals: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                     totals: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Fused kernel version of srelu_sparsify24_reference (z: [M, K] bf16, K % 32 == 0).
-    With `da` (same shape and strides as z): the compressed dZ = dA * 2 relu(Z) under the
-    forward's 2:4 mask (for dX = dZ W1), see dz_sparsify24_reference.
-    With `totals` (float64 [3], forward only): adds [non-zeros, sum a^2, dropped sum a^2] of
-    a = relu(Z)^2, see activation_totals_reference."""
+    With `totals` (float64 [3]): adds [non-zeros, sum a^2, dropped sum a^2] of a = relu(Z)^2,
+    see activation_totals_reference."""
     M, K = z.shape
     if K % 32:
         raise ValueError(f"srelu_sparsify24 needs the feature count to be a multiple of 32, got {K}")
@@ -179,14 +156,11 @@ def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: 
     n_bands = Mp // 64
     bands = next(b for b in (bands, 8, 4, 2, 1) if n_bands % b == 0)
     grid = (K // 32, n_bands // bands)
-    if da is not None and (da.shape != z.shape or da.stride() != z.stride() or da.dtype != z.dtype):
-        raise ValueError("srelu_sparsify24: da must have z's shape, strides and dtype")
     if totals is not None and not counts:
         raise ValueError("srelu_sparsify24: totals need the counts (counts=True): the statistics use both")
-    if totals is not None and (da is not None or totals.shape != (3,) or totals.dtype != torch.float64):
-        raise ValueError("srelu_sparsify24: totals must be a float64 [3] tensor, and only in the forward (no da)")
-    _srelu_sparsify24_kernel[grid](z, da if da is not None else z, buf, buf[Mp * K // 2:].view(torch.int16), nnz,
+    if totals is not None and (totals.shape != (3,) or totals.dtype != torch.float64):
+        raise ValueError("srelu_sparsify24: totals must be a float64 [3] tensor")
+    _srelu_sparsify24_kernel[grid](z, buf, buf[Mp * K // 2:].view(torch.int16), nnz,
                                    totals if totals is not None else nnz, M, K, z.stride(0), BANDS=bands,
-                                   COUNTS=counts and da is None, DZ=da is not None, TOTALS=totals is not None,
-                                   num_warps=num_warps)
+                                   COUNTS=counts, TOTALS=totals is not None, num_warps=num_warps)
     return buf.view(Mp, -1), nnz  # 2-D, as torch._cslt_sparse_mm wants its compressed operand

@@ -7,8 +7,8 @@ With the forward mask re-used, the backward needs (tokens permuted by `perm`):
     S(A24)^T, S(dZ)^T  2:4 along tokens, transposed (dW2 = dY^T S(A24), dW1 = S(dZ)^T X), the
          dense features zeroed there and their exact values written to [k, Tp] buffers
 
-Three separate kernels read Z three times and dA twice (2.2 ms at 7B, T=16384). Here one
-program reads a [32 tokens, 64 features] tile of Z and dA (gathered rows, 128-byte
+Three separate kernels (this project's previous version) read Z three times and dA twice:
+2.17 ms at 7B, T=16384 on the H200, against 1.41 ms for this one pass. Here one program reads a [32 tokens, 64 features] tile of Z and dA (gathered rows, 128-byte
 contiguous), recomputes the forward mask along features, writes the dZ operand from the tile
 as it is, transposes the tile in registers and writes both token-dimension operands.
 Reference: `backward_operands_reference`, which the kernel must match bit for bit.
@@ -16,14 +16,77 @@ Reference: `backward_operands_reference`, which the kernel must match bit for bi
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .cslt_layout import compressed_numel
-from .sparsify24 import dz_sparsify24_reference, padded_rows, round_to_bf16, top2_of_4
-from .sparsify24_tokens import (a24_reference, check_tokens_input, dense_slots, dz_reference,
-                                sparsify_tokens_reference)
+from model.sparse24 import mask_2to4
+
+from .cslt_layout import compress, compressed_numel
+from .sparsify24 import padded_rows, round_to_bf16, top2_of_4
+
+
+def padded_tokens(t: int) -> int:
+    return (t + 31) // 32 * 32
+
+
+def a24_reference(z: Tensor) -> Tensor:
+    a = F.relu(z).square()
+    return a * mask_2to4(a)
+
+
+def dz_reference(da: Tensor, z: Tensor, reuse_forward_mask: bool) -> Tensor:
+    dz = da * (2 * F.relu(z))
+    # where, not *: a masked negative value is +0 (as the kernel writes), not -0
+    return torch.where(mask_2to4(F.relu(z).square()), dz, 0.0) if reuse_forward_mask else dz
+
+
+def sparsify_tokens_reference(v: Tensor, perm: Optional[Tensor], dense: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(Compressed S(V)^T [F, Tp] of V [T, F]: rows permuted, dense feature columns zeroed,
+    2:4 along tokens (zero tokens pad T to a multiple of 32), transposed; and V^T of the
+    dense features [k, Tp], rows in `dense` order, tokens permuted)."""
+    if perm is not None:
+        v = v[perm]
+    vt = F.pad(v, (0, 0, 0, padded_tokens(v.shape[0]) - v.shape[0])).t().contiguous()
+    full = vt[dense] if dense is not None else vt[:0]
+    if dense is not None:
+        vt[dense] = 0
+    return compress(vt, mask_2to4(vt)), full
+
+
+def check_tokens_input(z: Tensor, da: Optional[Tensor]) -> int:
+    """Tp, the token count padded to 32, after checking z (and da) can be indexed by the kernels."""
+    T, Fh = z.shape
+    if Fh % 64:
+        raise ValueError(f"backward_operands needs the feature count to be a multiple of 64, got {Fh}")
+    if z.dtype != torch.bfloat16 or z.stride(1) != 1 or (da is not None and (da.shape != z.shape or da.stride(1) != 1)):
+        raise ValueError("backward_operands needs row-major bf16 z (and da of the same shape)")
+    Tp = padded_tokens(T)
+    if Tp * max(z.stride(0), Fh) >= 2**31:  # offsets: token * stride, feature * Tp
+        raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
+    return Tp
+
+
+def dense_slots(dense: Optional[Tensor], Fh: int, device) -> tuple[Tensor, int]:
+    """[F] int32: each dense feature's row in the [k, Tp] dense buffer, -1 for the others; and k."""
+    slots = torch.full((Fh,), -1, dtype=torch.int32, device=device)
+    k = 0 if dense is None else dense.numel()
+    if k:
+        slots[dense] = torch.arange(k, dtype=torch.int32, device=device)
+    return slots, k
+
+
+def dz_sparsify24_reference(z: Tensor, da: Tensor) -> Tensor:
+    """Compressed dZ = dA * 2 relu(Z), at the positions the forward 2:4 kept (rows padded to 64)."""
+    a = F.relu(z).square()
+    keep = mask_2to4(a)
+    dz = da * (2 * F.relu(z))
+    pad = padded_rows(z.shape[0]) - z.shape[0]
+    keep_p = F.pad(keep, (0, 0, 0, pad))
+    if pad:
+        keep_p[z.shape[0]:] = mask_2to4(torch.zeros_like(keep_p[z.shape[0]:], dtype=a.dtype))
+    return compress(F.pad(dz, (0, 0, 0, pad)), keep_p)
 
 
 def backward_operands_reference(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
@@ -57,11 +120,16 @@ def _join4(x0, x1, x2, x3):
 
 
 @triton.jit
-def _token_operand(v, dense, slot, feats, tok, store_ok, val_ptr, meta_ptr, full_ptr, band, kc, Tp):
+def _token_operand(v, dense, slot, feats, tok, store_ok, val_ptr, meta_ptr, full_ptr, band, kc, Tp,
+                   BF16_T: tl.constexpr):
     """S(V)^T for one [32 tokens, 64 features] tile: dense features to full[slot] and zeroed,
-    2:4 along tokens, one 64x32 metadata tile (rows = features 16c + 8b + a, groups 4h + m)."""
+    2:4 along tokens, one 64x32 metadata tile (rows = features 16c + 8b + a, groups 4h + m).
+    BF16_T: transpose (and select) in bf16, exact since the values are bf16 already."""
     tl.store(full_ptr + slot[None, :] * Tp + tok[:, None], v.to(tl.bfloat16), mask=dense[None, :] & store_ok)
-    vt = tl.trans(tl.where(dense[None, :], 0.0, v))               # [64 features, 32 tokens]
+    v = tl.where(dense[None, :], 0.0, v)
+    if BF16_T:
+        v = v.to(tl.bfloat16)
+    vt = tl.trans(v)                                              # [64 features, 32 tokens]
     t0, t1, t2, t3 = _split4(vt)
     _k0, _k1, _k2, _k3, p0, p1, x0, x1 = top2_of_4(t0, t1, t2, t3)
     vcols = kc * 16 + tl.arange(0, 16)
@@ -80,7 +148,7 @@ def _token_operand(v, dense, slot, feats, tok, store_ok, val_ptr, meta_ptr, full
 @triton.jit
 def _backward_operands_kernel(z_ptr, da_ptr, order_ptr, slot_ptr, dzv_ptr, dzm_ptr, av_ptr, am_ptr, afull_ptr,
                               gv_ptr, gm_ptr, gfull_ptr, T, Tp, F, stride_z, stride_da, REUSE: tl.constexpr,
-                              BANDS: tl.constexpr):
+                              BANDS: tl.constexpr, BF16_T: tl.constexpr):
     """Program (32-token chunk kc, group of BANDS 64-feature bands). Tokens >= T read as zeros;
     chunks past Tp (dZ's rows are padded to 64, the token operands to 32) write only dZ.
     Without REUSE (the ablation) dZ is not masked and its feature-dimension operand not written."""
@@ -125,13 +193,13 @@ def _backward_operands_kernel(z_ptr, da_ptr, order_ptr, slot_ptr, dzv_ptr, dzm_p
         slot = tl.load(slot_ptr + feats)
         dense = slot >= 0
         _token_operand(tl.where(keep, a, 0.0), dense, slot, feats, tok, store_ok, av_ptr, am_ptr, afull_ptr,
-                       band, kc, Tp)
-        _token_operand(tl.where(keep, dz, 0.0) if REUSE else dz, dense, slot, feats, tok, store_ok, gv_ptr, gm_ptr, gfull_ptr,
-                       band, kc, Tp)
+                       band, kc, Tp, BF16_T)
+        _token_operand(tl.where(keep, dz, 0.0) if REUSE else dz, dense, slot, feats, tok, store_ok, gv_ptr, gm_ptr,
+                       gfull_ptr, band, kc, Tp, BF16_T)
 
 
 def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
-                      reuse_forward_mask: bool = True, bands: int = 1, num_warps: int = 4):
+                      reuse_forward_mask: bool = True, bands: int = 1, num_warps: int = 4, bf16_transpose: bool = False):
     """Fused backward_operands_reference. z, da: [T, F] row-major bf16, F % 64 == 0; perm: [T]
     token order (None: identity); dense: feature indices kept dense (None: none). The default
     launch configuration was the fastest of bands 1-8 x warps 4-16 on the H200 at 1B and 7B."""
@@ -157,5 +225,5 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     _backward_operands_kernel[(Tr // 32, n_bands // bands)](
         z, da, order, slots, dz_buf, dz_meta.view(torch.int16), a_buf, meta(a_buf, Fh * Tp // 2), a_full,
         g_buf, meta(g_buf, Fh * Tp // 2), g_full, T, Tp, Fh, z.stride(0), da.stride(0),
-        REUSE=reuse_forward_mask, BANDS=bands, num_warps=num_warps)
+        REUSE=reuse_forward_mask, BANDS=bands, BF16_T=bf16_transpose, num_warps=num_warps)
     return dz_buf.view(Tr, -1) if reuse_forward_mask else None, (a_buf.view(Fh, -1), a_full[:k]), (g_buf.view(Fh, -1), g_full[:k])

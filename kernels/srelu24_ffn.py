@@ -22,8 +22,7 @@ from model.stats import N_SUMS, sparse24_sums_from_counts
 
 from .cusparselt import cached_mm
 from .sparsify24 import srelu_sparsify24
-from .sparsify24_backward import backward_operands
-from .sparsify24_tokens import padded_tokens
+from .sparsify24_backward import backward_operands, padded_tokens
 
 
 def available(x: Tensor) -> bool:

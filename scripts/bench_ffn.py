@@ -1,7 +1,8 @@
 """The srelu24 FFN against dense on the GPU: correctness of the kernels against their
 references, then median times (triton do_bench) of forward and forward+backward for SwiGLU,
 dense srelu (eager and compiled) and srelu24 (kernels/srelu24_ffn.py), the fused sparsify
-pass against a copy, and where srelu24's time goes at 7B, T=16384.
+pass against a copy, where srelu24's time goes (piece by piece at 7B/1B, T=16384 and 1B,
+T=4096), and its host time per call against its GPU kernel time (`overhead`).
 
     python scripts/bench_ffn.py                     # 1B and 7B shapes, T = 4096, 16384, 65536
 
@@ -24,7 +25,6 @@ from triton.testing import do_bench  # noqa: E402
 from kernels.cslt_layout import decompress  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_bwd, srelu24_ffn_fwd, srelu24_ffn_kernels  # noqa: E402
 from kernels.sparsify24_backward import backward_operands  # noqa: E402
-from kernels.sparsify24_tokens import sparsify_tokens  # noqa: E402
 from model.sparse24 import Sparse24Recipe, srelu24_ffn  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
@@ -122,8 +122,7 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled) -> dict:
 
 
 def breakdown(D: int, Fh: int, T: int) -> dict:
-    """srelu24's fw+bw, piece by piece (each timed alone). Rows marked (previous) are the three
-    kernels the one-pass backward replaced, timed for comparison and not counted in the sum."""
+    """srelu24's fw+bw, piece by piece (each timed alone)."""
     x = torch.randn(T, D, device="cuda", dtype=BF)
     w1 = torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5
     w2 = torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5
@@ -133,10 +132,9 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
     da = dy @ w2
     perm = torch.randperm(T, device="cuda")
     dense = torch.sort(-counts, stable=True).indices[: int(0.05 * Fh)]
-    (s_a, a_d), (s_dz, dz_d) = sparsify_tokens(z, perm, dense), sparsify_tokens(z, perm, dense, da=da)
+    dzb, (s_a, a_d), (s_dz, dz_d) = backward_operands(z, da, perm, dense)
     Tp = s_a.shape[1] * 16 // 9
     dy_p, x_p = F.pad(dy[perm], (0, 0, 0, Tp - T)), F.pad(x[perm], (0, 0, 0, Tp - T))
-    dzb, _ = srelu_sparsify24(z, da=da)
     dx_p = sparse_mm(dzb, w1)[:T]
     parts = {
         "fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
@@ -147,9 +145,6 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
         "bw: dX = dZ W1 (sparse)": lambda: sparse_mm(dzb, w1),
         "bw: dX rows back to token order": lambda: torch.empty_like(dx_p).index_copy_(0, perm, dx_p),
         "bw: permute dY and X": lambda: (dy[perm], x[perm]),
-        "bw: dZ compress (previous)": lambda: srelu_sparsify24(z, da=da),
-        "bw: S(A24)^T (previous)": lambda: sparsify_tokens(z, perm, dense),
-        "bw: S(dZ)^T (previous)": lambda: sparsify_tokens(z, perm, dense, da=da),
         "bw: dW2 (sparse)": lambda: sparse_mm(s_a, dy_p),
         "bw: dW1 (sparse)": lambda: sparse_mm(s_dz, x_p),
         "bw: dense-feature GEMMs": lambda: (a_d @ dy_p, dz_d @ x_p),
@@ -335,7 +330,7 @@ def main() -> int:
         print(f"\nsrelu24 at {name}, piece by piece (ms)")
         for k, v in parts.items():
             print(f"| {k} | {v:.3f} |")
-        print(f"| sum (without previous) | {sum(v for k, v in parts.items() if '(previous)' not in k):.3f} |")
+        print(f"| sum | {sum(parts.values()):.3f} |")
     for name, o in overhead.items():
         print(f"\nhost and GPU at {name}: " + json.dumps(o))
     return 0

@@ -210,26 +210,6 @@ def test_srelu24_module_on_the_kernel_path_compiles_in_one_graph(monkeypatch):
     assert not m.stats.requires_grad  # the buffer never joins the autograd graph
 
 
-@pytest.mark.parametrize("t,f", [(32, 64), (100, 128), (64, 192)])
-@pytest.mark.parametrize("mode", ["a24", "dz", "dz_no_reuse"])
-@pytest.mark.parametrize("permuted", [False, True])
-def test_token_sparsify_kernel_equals_reference(t, f, mode, permuted):
-    from kernels.sparsify24_tokens import a24_reference, dz_reference, sparsify_tokens, sparsify_tokens_reference
-
-    z, da = random_z(t, f, seed=t + f), random_z(t, f, seed=t * f).flip(0).contiguous()
-    g = torch.Generator().manual_seed(t)
-    perm = torch.randperm(t, generator=g) if permuted else None
-    dense = torch.tensor([1, 6, f - 1]) if permuted else None
-    if mode == "a24":
-        got, want = sparsify_tokens(z, perm, dense), sparsify_tokens_reference(a24_reference(z), perm, dense)
-    else:
-        reuse = mode == "dz"
-        got = sparsify_tokens(z, perm, dense, da=da, reuse_forward_mask=reuse)
-        want = sparsify_tokens_reference(dz_reference(da, z, reuse), perm, dense)
-    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
-    assert torch.equal(got[1], want[1])
-
-
 @pytest.mark.parametrize("t,f", [(32, 64), (100, 128), (80, 192), (130, 64)])
 @pytest.mark.parametrize("permuted", [False, True])
 @pytest.mark.parametrize("reuse", [True, False])
@@ -243,7 +223,7 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
     g = torch.Generator().manual_seed(f + t)
     perm = torch.randperm(t, generator=g) if permuted else None
     dense = torch.tensor([2, 5, f - 3]) if permuted else None
-    got = backward_operands(z, da, perm, dense, reuse_forward_mask=reuse)
+    got = backward_operands(z, da, perm, dense, reuse_forward_mask=reuse, bf16_transpose=permuted)
     want = backward_operands_reference(z, da, perm, dense, reuse_forward_mask=reuse)
     if reuse:
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
@@ -253,14 +233,16 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
         assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
 
 
-def test_dz_compress_keeps_the_forward_positions():
-    from kernels.sparsify24 import dz_sparsify24_reference
+def test_dz_operand_keeps_the_forward_positions():
+    """Without a permutation, the backward's dZ operand names the positions the forward kept:
+    its metadata is the forward kernel's, word for word."""
+    from kernels.sparsify24_backward import backward_operands, dz_sparsify24_reference
 
-    z, da = random_z(100, 96, seed=11), random_z(100, 96, seed=12)
-    got, _ = srelu_sparsify24(z, da=da)
+    z, da = random_z(100, 96 * 2, seed=11), random_z(100, 96 * 2, seed=12)
+    got, _, _ = backward_operands(z, da, None, None)
     assert torch.equal(got.view(torch.int16), dz_sparsify24_reference(z, da).view(torch.int16))
     fwd, _ = srelu_sparsify24(z)
-    n = padded_rows(100) * 96 // 2  # same metadata as the forward: the forward positions
+    n = padded_rows(100) * 96  # values first: [rows, F/2]
     assert torch.equal(got.reshape(-1)[n:].view(torch.int16), fwd.reshape(-1)[n:].view(torch.int16))
 
 
@@ -314,14 +296,16 @@ def test_srelu24_module_compiled_by_inductor_on_cuda():
 
 
 @pytest.mark.gpu
-def test_backward_operands_on_cuda_equal_reference():
+@pytest.mark.parametrize("bf16_transpose", [False, True])
+def test_backward_operands_on_cuda_equal_reference(bf16_transpose):
     """The one-pass backward kernel compiled for the GPU, bit for bit against the reference."""
     from kernels.sparsify24_backward import backward_operands, backward_operands_reference
 
     z, da = random_z(4000, 1024, seed=1, device="cuda"), random_z(4000, 1024, seed=2, device="cuda")
     perm = torch.randperm(4000, device="cuda")
     dense = torch.tensor([0, 17, 1000], device="cuda")
-    got, want = backward_operands(z, da, perm, dense), backward_operands_reference(z, da, perm, dense)
+    got = backward_operands(z, da, perm, dense, bf16_transpose=bf16_transpose)
+    want = backward_operands_reference(z, da, perm, dense)
     assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
         assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
