@@ -272,13 +272,34 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled) -> dict:
     return r
 
 
+def plot_breakdown(result: Path) -> Path:
+    """The saved result's breakdown as a stacked bar chart (training/plots.ffn_breakdown), PNG
+    beside the JSON."""
+    from training.plots import close, ffn_breakdown
+
+    d = json.loads(result.read_text())
+    if not d.get("breakdown"):
+        raise SystemExit(f"error: {result} has no breakdown (run with --parts ...,breakdown)")
+    fwbw = {f"{r['shape']}, T={r['T']}": r for r in d.get("fwbw", [])}
+    fig = ffn_breakdown(d["breakdown"], fwbw)
+    png = result.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    close(fig)
+    return png
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="4096,16384,65536")
     ap.add_argument("--shapes", default="1B,7B")
     ap.add_argument("--parts", default="checks,forward,fwbw,breakdown,overhead")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_ffn.json")
+    ap.add_argument("--replot", type=Path, metavar="JSON",
+                    help="only redraw the breakdown figure of a saved result (no GPU needed), next to it")
     args = ap.parse_args()
+    if args.replot:
+        print(f"wrote {plot_breakdown(args.replot)}")
+        return 0
     if not torch.cuda.is_available():
         print("error: bench_ffn.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -312,6 +333,8 @@ def main() -> int:
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
                                     "environment": environment(), "checks": checks, "forward": rows,
                                     "fwbw": fb, "breakdown": bd, "overhead": overhead}, indent=2))
+    if bd:
+        print(f"wrote {plot_breakdown(args.out)}")
     print(f"\n{torch.cuda.get_device_name()}: forward")
     print("| shape | T | copy | fused sparsify (x copy) | dense fw eager | dense fw compiled | swiglu fw | srelu24 fw | vs eager | vs compiled |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -1,4 +1,4 @@
-"""scripts/bench_step.py runs the real model and optimizer; on CPU it must still produce a
+"""scripts/bench_step.py (and bench_ffn.py's replot) on CPU. bench_step runs the real model and optimizer; it must still produce a
 complete table and JSON (the GPU figures go to benchmarks/RESULTS.md)."""
 import json
 import subprocess
@@ -43,3 +43,21 @@ def test_fsdp_sweep_under_torchrun_on_two_cpu_processes(tmp_path):
         assert x["tokens_per_s"] == pytest.approx(2 * 4 * x["seq_len"] / (x["step_ms"] / 1e3))
     assert text.count("| srelu24 |") == 1  # one table, from rank 0
     assert "on 2 x CPU (fsdp" in text
+
+
+def test_bench_ffn_replots_a_saved_breakdown_without_a_gpu(tmp_path):
+    """The breakdown figure is redrawn from a saved GPU result on any machine."""
+    import shutil
+
+    saved = tmp_path / "bench_ffn.json"
+    shutil.copy(ROOT / "benchmarks" / "results" / "bench_ffn_final.json", saved)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ffn.py"), "--replot", str(saved)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    png = saved.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"breakdown": {}}')
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ffn.py"), "--replot", str(empty)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "has no breakdown" in r.stderr

@@ -22,3 +22,43 @@ def layer_heatmap(tokens: list[int], values: list[list[float]], title: str, labe
 
 def close(fig) -> None:
     plt.close(fig)
+
+
+BREAKDOWN_GROUPS = (("dense GEMMs", "(dense)"), ("sparse GEMMs", "(sparse)"), ("sparsify passes", "fused"),
+                    ("dense-feature GEMMs", "dense-feature"), ("permute / scatter rows", ""))
+
+
+def ffn_breakdown(breakdown: dict, fwbw: dict):
+    """Where srelu24's fw+bw time goes, per shape: its pieces (scripts/bench_ffn.py) stacked by
+    kind, beside dense srelu's fw+bw (eager and compiled) at the same shape where measured.
+    breakdown: {shape name: {piece: ms}}; fwbw: {shape name: bench_ffn fwbw row}."""
+    names = list(breakdown)
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.9 * len(names) + 0.6), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for ax, name in zip(axes[:, 0], names):
+        groups = {g: 0.0 for g, _ in BREAKDOWN_GROUPS}
+        for piece, ms in breakdown[name].items():
+            group = next(g for g, key in BREAKDOWN_GROUPS if key in piece)
+            groups[group] += ms
+        rows = [("srelu24 pieces, each timed alone", groups)]
+        r = fwbw.get(name)
+        if r:
+            rows += [("srelu24 measured", {"srelu24": r["fwbw_srelu24_ms"]}),
+                     ("dense srelu compiled", {"dense": r["fwbw_dense_compiled_ms"]}),
+                     ("dense srelu eager", {"dense": r["fwbw_dense_eager_ms"]})]
+        for y, (label, parts) in enumerate(rows):
+            left = 0.0
+            for i, (g, ms) in enumerate(parts.items()):
+                color = colors[i] if y == 0 else "0.6"
+                ax.barh(y, ms, left=left, color=color, label=g if y == 0 else None)
+                left += ms
+            ax.text(left, y, f" {left:.2f} ms", va="center", fontsize=8)
+        ax.set_yticks(range(len(rows)), [lbl for lbl, _ in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(name, fontsize=9)
+        ax.set_xlim(0, ax.get_xlim()[1] * 1.12)
+    axes[-1, 0].set_xlabel("ms per forward + backward")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, ncol=len(labels), loc="lower center", frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
