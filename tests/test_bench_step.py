@@ -1,5 +1,6 @@
-"""scripts/bench_step.py (and bench_ffn.py's replot) on CPU. bench_step runs the real model and optimizer; it must still produce a
-complete table and JSON (the GPU figures go to benchmarks/RESULTS.md)."""
+"""The benchmark scripts on CPU: bench_step.py runs the real model and optimizer and must still
+produce a complete table and JSON (the GPU figures go to benchmarks/RESULTS.md); bench_ffn.py
+redraws a saved GPU result."""
 import json
 import subprocess
 import sys
