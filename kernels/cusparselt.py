@@ -13,11 +13,17 @@ cuSPARSELtOps.cpp), so the compressed operand is the same buffer: A [m, k] 2:4 r
 row-major [n, k], D [m, n] row-major bf16, fp32 accumulation. The library is the one torch
 loaded. Each new plan's product is checked once against torch's; any failure (library not
 found, an error status, a different product) falls back to torch._cslt_sparse_mm with a
-warning, so this can only make the GEMM cheaper to launch, never wrong.
+warning, so this can only make the GEMM cheaper to launch, never wrong. Inputs it was not built
+for (not bf16, misaligned, another device than the current one) go to torch's op as well.
+
+The first call of a shape synchronises (the check); under CUDA graph capture, warm every shape
+up first. The workspace comes from the caching allocator on each call, so calls on several
+streams do not share it. Plans are never freed (one per shape, a few KiB of host memory).
 """
 import ctypes
 import glob
 import os
+import threading
 import warnings
 from typing import Optional
 
@@ -27,6 +33,7 @@ from torch import Tensor
 # enum values of cusparseLt.h (0.5+) and library_types.h / cusparse.h
 _CUDA_R_16BF, _ORDER_ROW, _OP_N, _OP_T = 14, 2, 0, 1
 _SPARSITY_50, _COMPUTE_32F, _ALG_DEFAULT, _ALG_CONFIG_ID = 0, 2, 0, 0
+_MIN_VERSION = 502  # major * 1000 + minor * 100 + patch
 _OPAQUE_BYTES = 16384  # the opaque structs are 1 KiB or less in 0.5-0.8; room to spare, 64-byte aligned
 
 
@@ -67,6 +74,9 @@ class _Lib:
             "cusparseLtMatmulPlanInit": [p, p, p, p],
             "cusparseLtMatmulGetWorkspace": [p, p, ctypes.POINTER(sz)],
             "cusparseLtMatmul": [p, p, p, p, p, p, p, p, p, p, i32],
+            "cusparseLtGetVersion": [p, ctypes.POINTER(i32)],
+            "cusparseLtMatDescriptorDestroy": [p],
+            "cusparseLtMatmulPlanDestroy": [p],
         }
         for name, args in sigs.items():
             fn = getattr(lib, name)
@@ -74,6 +84,10 @@ class _Lib:
             setattr(self, name, fn)
         self.handle = _Opaque()
         self.check("cusparseLtInit", self.handle.ptr)
+        version = ctypes.c_int(0)
+        self.check("cusparseLtGetVersion", self.handle.ptr, ctypes.byref(version))
+        if version.value < _MIN_VERSION:  # the enum values above are 0.5.2's and later
+            raise RuntimeError(f"cuSPARSELt {version.value} is older than {_MIN_VERSION}")
 
     def check(self, name: str, *args) -> None:
         status = getattr(self, name)(*args)
@@ -82,7 +96,7 @@ class _Lib:
 
 
 class _Plan:
-    """Descriptors, plan and workspace of one GEMM shape; `run` enqueues it."""
+    """Descriptors and plan of one GEMM shape; `run` enqueues it."""
 
     def __init__(self, lib: _Lib, m: int, k: int, n: int, b_transposed: bool, alg: int, device):
         self.lib, self.m, self.n = lib, m, n
@@ -103,21 +117,29 @@ class _Plan:
         lib.check("cusparseLtMatmulPlanInit", h, self.plan.ptr, self.mm.ptr, self.sel.ptr)
         ws = ctypes.c_size_t(0)
         lib.check("cusparseLtMatmulGetWorkspace", h, self.plan.ptr, ctypes.byref(ws))
-        self.workspace = torch.empty(max(ws.value, 1), dtype=torch.uint8, device=device)
+        self.workspace_bytes = max(ws.value, 1)  # 32 MiB at the FFN's shapes on the H200
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self.stream = (ctypes.c_void_p * 1)()
 
     def run(self, a: Tensor, b: Tensor) -> Tensor:
         d = torch.empty(self.m, self.n, dtype=torch.bfloat16, device=a.device)
-        self.stream[0] = torch.cuda.current_stream(a.device).cuda_stream
+        # per call and stream-ordered, as torch's op does: no sharing between streams
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=a.device)
+        stream = (ctypes.c_void_p * 1)(torch.cuda.current_stream(a.device).cuda_stream)
         self.lib.check("cusparseLtMatmul", self.lib.handle.ptr, self.plan.ptr, ctypes.byref(self.alpha),
                        a.data_ptr(), b.data_ptr(), ctypes.byref(self.beta), d.data_ptr(), d.data_ptr(),
-                       self.workspace.data_ptr(), self.stream, 1)
+                       workspace.data_ptr(), stream, 1)
         return d
+
+    def destroy(self) -> None:
+        """Release the library's side of a plan that is not kept."""
+        self.lib.cusparseLtMatmulPlanDestroy(self.plan.ptr)
+        for desc in (self.a, self.b, self.d):
+            self.lib.cusparseLtMatDescriptorDestroy(desc.ptr)
 
 
 _LIB: dict = {}     # device index -> _Lib, or None where it could not be loaded
-_PLANS: dict = {}   # (device, m, k, n, b_transposed, alg) -> _Plan, or None: use torch's op
+_PLANS: dict = {}   # (device index, m, k, n, b_transposed, alg) -> _Plan, or None: use torch's op
+_LOCK = threading.Lock()  # forward (main thread) and backward (autograd's thread) both build plans
 
 
 def _warn_fallback(why: str) -> None:
@@ -128,45 +150,62 @@ def _warn_fallback(why: str) -> None:
 def _library(device) -> Optional[_Lib]:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _LIB:
-        _LIB[idx] = None
-        path = _find_library()
+        lib, path = None, _find_library()
         if path is None:
             _warn_fallback("libcusparseLt not found")
         else:
             try:
                 with torch.cuda.device(idx):
-                    _LIB[idx] = _Lib(path)
-            except (OSError, AttributeError, RuntimeError) as e:
+                    lib = _Lib(path)
+            except Exception as e:  # noqa: BLE001 - any failure to load means: torch's op
                 _warn_fallback(f"{path}: {e}")
+        _LIB[idx] = lib
     return _LIB[idx]
 
 
+def _torch_mm(a: Tensor, b: Tensor, alg: int) -> Tensor:
+    return torch._cslt_sparse_mm(a, b, alg_id=alg) if alg else torch._cslt_sparse_mm(a, b)
+
+
+def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
+    """A plan for this GEMM, kept only if its product equals torch's bit for bit."""
+    idx, m, k, n, b_transposed, alg = key
+    lib = _library(a.device)
+    if lib is None:
+        return None
+    plan = None
+    try:
+        plan = _Plan(lib, m, k, n, b_transposed, alg, a.device)
+        want, got = _torch_mm(a, b, alg), plan.run(a, b)
+        if torch.equal(got, want):
+            return plan
+        err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+        _warn_fallback(f"its product differs from torch's for A [{m}, {k}], B [{k}, {n}], alg {alg}: "
+                       f"relative difference {err:.2e}")
+    except Exception as e:  # noqa: BLE001 - any failure to plan means: torch's op for this shape
+        _warn_fallback(f"A [{m}, {k}], B [{k}, {n}], alg {alg}: {e}")
+    if plan is not None:
+        plan.destroy()
+    return None
+
+
 def cached_mm(a: Tensor, b: Tensor, alg: int) -> Tensor:
-    """torch._cslt_sparse_mm(a, b, alg_id=alg) for a bf16 compressed A [m, 9k/16] on CUDA and
-    B [k, n] (row-major, or the transpose of a row-major matrix), with the plan built once."""
+    """torch._cslt_sparse_mm(a, b, alg_id=alg) for a bf16 compressed A [m, 9k/16] on CUDA and a
+    bf16 B [k, n] (row-major, or the transpose of a row-major matrix), with the plan built once."""
     b_transposed = not b.is_contiguous()
     if b_transposed and not b.t().is_contiguous():
         b = b.contiguous()
         b_transposed = False
     m, (k, n) = a.shape[0], b.shape
-    key = (a.device, m, k, n, b_transposed, alg)
-    if key not in _PLANS:
-        _PLANS[key] = None
-        lib = _library(a.device)
-        if lib is not None:
-            try:
-                plan = _Plan(lib, m, k, n, b_transposed, alg, a.device)
-                want = torch._cslt_sparse_mm(a, b, alg_id=alg) if alg else torch._cslt_sparse_mm(a, b)
-                got = plan.run(a, b)
-                if torch.equal(got, want):
-                    _PLANS[key] = plan
-                else:
-                    err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
-                    _warn_fallback(f"its product differs from torch's for A [{m}, {k}], B [{k}, {n}], "
-                                   f"alg {alg}: relative difference {err:.2e}")
-            except RuntimeError as e:
-                _warn_fallback(str(e))
-    plan = _PLANS[key]
-    if plan is None:
-        return torch._cslt_sparse_mm(a, b, alg_id=alg) if alg else torch._cslt_sparse_mm(a, b)
-    return plan.run(a, b)
+    idx = a.get_device()
+    if (a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or not a.is_contiguous() or a.numel() * 16 != m * k * 9
+            or a.data_ptr() % 16 or b.data_ptr() % 16 or b.get_device() != idx or idx != torch.cuda.current_device()):
+        return _torch_mm(a, b, alg)  # not what the plans are built for: torch's op checks and guards
+    key = (idx, m, k, n, b_transposed, alg)
+    plan = _PLANS.get(key, False)
+    if plan is False:
+        with _LOCK:
+            if key not in _PLANS:
+                _PLANS[key] = _new_plan(a, b, key)
+            plan = _PLANS[key]
+    return _torch_mm(a, b, alg) if plan is None else plan.run(a, b)

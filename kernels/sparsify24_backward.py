@@ -203,7 +203,7 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     T, Fh = z.shape
     Tp = check_tokens_input(z, da)
     Tr = padded_rows(T)
-    if Tr * Fh >= 2**31:
+    if Tr * max(Fh, da.stride(0)) >= 2**31:
         raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
     order = (perm if perm is not None else torch.arange(T, device=z.device)).to(torch.int32)
     slots, k = dense_slots(dense, Fh, z.device)
@@ -213,7 +213,8 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     dz_meta = dz_buf[Tr * Fh // 2:] if reuse_forward_mask else dz_buf
     outs = []
     for _ in range(2):
-        full = torch.zeros(max(k, 1), Tp, dtype=torch.bfloat16, device=z.device)  # padding tokens stay 0
+        # every column < Tp of the dense rows is written (padding tokens as zeros)
+        full = torch.empty(max(k, 1), Tp, dtype=torch.bfloat16, device=z.device)
         outs.append((torch.empty(compressed_numel(Fh, Tp), dtype=torch.bfloat16, device=z.device), full))
     (a_buf, a_full), (g_buf, g_full) = outs
     n_bands = Fh // 64

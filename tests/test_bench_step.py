@@ -62,3 +62,12 @@ def test_bench_ffn_replots_a_saved_breakdown_without_a_gpu(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ffn.py"), "--replot", str(empty)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "has no breakdown" in r.stderr
+
+
+def test_profiled_busy_time_counts_overlapping_kernels_once():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_step import union_length
+
+    assert union_length([]) == 0.0
+    assert union_length([(0, 10), (2, 5), (8, 12), (20, 21)]) == 13.0  # [0, 12] and [20, 21]
+    assert union_length([(0, 1), (1, 2)]) == 2.0

@@ -34,6 +34,46 @@ def test_unloadable_library_falls_back_with_the_reason(monkeypatch, fresh_cache,
         assert C._library(torch.device("cuda", 0)) is None
 
 
+class _FakePlan:
+    """Stands in for a cuSPARSELt plan on CPU: its product is a chosen function of A and B."""
+    destroyed = []
+
+    def __init__(self, lib, m, k, n, b_transposed, alg, device, product=None, fail=False):
+        if fail:
+            raise ValueError("plan init failed")
+        self.product = product
+
+    def run(self, a, b):
+        return self.product(a, b)
+
+    def destroy(self):
+        _FakePlan.destroyed.append(self)
+
+
+@pytest.mark.parametrize("case", ["equal", "differs", "raises"])
+def test_a_plan_is_kept_only_if_its_product_equals_torchs(monkeypatch, fresh_cache, case):
+    """The once-per-shape check: a plan whose product differs from torch._cslt_sparse_mm, or that
+    fails to build, is dropped (and released) with a warning naming the shape; torch's op is used."""
+    a, b = torch.randn(64, 36).bfloat16(), torch.randn(64, 32).bfloat16()
+    torch_product = torch.randn(64, 32).bfloat16()
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", lambda a, b, **kw: torch_product, raising=False)
+    monkeypatch.setattr(C, "_library", lambda device: object())
+    product = (lambda a, b: torch_product.clone()) if case == "equal" else (lambda a, b: torch_product + 1)
+    monkeypatch.setattr(C, "_Plan", lambda *args: _FakePlan(*args, product=product, fail=case == "raises"))
+    _FakePlan.destroyed.clear()
+    key = (0, 64, 64, 32, False, 0)
+    if case == "equal":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert isinstance(C._new_plan(a, b, key), _FakePlan)
+        assert not _FakePlan.destroyed
+    else:
+        match = "differs from torch's for A \\[64, 64\\], B \\[64, 32\\]" if case == "differs" else "plan init failed"
+        with pytest.warns(RuntimeWarning, match=match):
+            assert C._new_plan(a, b, key) is None
+        assert len(_FakePlan.destroyed) == (1 if case == "differs" else 0)
+
+
 class _NullContext:
     def __enter__(self):
         return self
@@ -45,17 +85,38 @@ class _NullContext:
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(64, 64, 32), (4032, 1024, 256), (2048, 8192, 2048), (8192, 2048, 512)])
 @pytest.mark.parametrize("b_transposed", [False, True])
-def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed):
+@pytest.mark.parametrize("searched", [False, True])
+def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed, searched):
+    """Default and searched algorithm ids (the FFN runs the searched ones); the second call
+    reuses the plan on fresh inputs."""
     from kernels.sparsify24 import srelu_sparsify24
 
-    z = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    a, _ = srelu_sparsify24(z)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if b_transposed else \
-        torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    def operands():
+        a, _ = srelu_sparsify24(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if b_transposed else \
+            torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        return a, b
+
+    a, b = operands()
+    alg = torch._C._cusparselt.mm_search(a, b, None, None, None, False)[0] if searched else 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback would warn: the plan must be taken
-        got = C.cached_mm(a, b, 0)
-        again = C.cached_mm(a, b, 0)  # the cached plan, second use
-    assert any(p is not None for p in C._PLANS.values())
-    want = torch._cslt_sparse_mm(a, b)
-    assert torch.equal(got, want) and torch.equal(again, want)
+        C.cached_mm(a, b, alg)
+        a2, b2 = operands()
+        again = C.cached_mm(a2, b2, alg)  # the cached plan, new inputs
+    assert sum(p is not None for p in C._PLANS.values()) == 1
+    want = torch._cslt_sparse_mm(a2, b2, alg_id=alg) if alg else torch._cslt_sparse_mm(a2, b2)
+    assert torch.equal(again, want)
+
+
+@pytest.mark.gpu
+def test_inputs_the_plans_are_not_built_for_go_to_torchs_op(fresh_cache):
+    """A B in neither layout is made contiguous first; fp16 operands get no (bf16) plan."""
+    from kernels.sparsify24 import srelu_sparsify24
+
+    a, _ = srelu_sparsify24(torch.randn(128, 64, device="cuda", dtype=torch.bfloat16))
+    strided = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)[:, ::2]  # [64, 32], neither layout
+    assert torch.equal(C.cached_mm(a, strided, 0), torch._cslt_sparse_mm(a, strided.contiguous()))
+    planned = set(C._PLANS)
+    C.cached_mm(a.view(torch.float16), strided.contiguous().view(torch.float16), 0)
+    assert set(C._PLANS) == planned  # the fp16 call went straight to torch's op

@@ -222,13 +222,27 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
     z, da = random_z(t, f, seed=t + 3 * f), random_z(t, f, seed=t * f + 1).flip(0).contiguous()
     g = torch.Generator().manual_seed(f + t)
     perm = torch.randperm(t, generator=g) if permuted else None
-    dense = torch.tensor([2, 5, f - 3]) if permuted else None
+    dense = torch.tensor([f - 3, 2, 5]) if permuted or f == 64 else None  # unsorted, as the counts' sort gives
     got = backward_operands(z, da, perm, dense, reuse_forward_mask=reuse)
     want = backward_operands_reference(z, da, perm, dense, reuse_forward_mask=reuse)
     if reuse:
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     else:
         assert got[0] is None and want[0] is None
+    for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
+        assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
+
+
+@pytest.mark.parametrize("bands", [2, 4])
+def test_backward_operands_with_several_bands_per_program(bands):
+    from kernels.sparsify24_backward import backward_operands, backward_operands_reference
+
+    z, da = random_z(96, 256, seed=5), random_z(96, 256, seed=6)
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(7))
+    dense = torch.tensor([200, 3, 77])
+    got = backward_operands(z, da, perm, dense, bands=bands)
+    want = backward_operands_reference(z, da, perm, dense)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
         assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
 
