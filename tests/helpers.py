@@ -52,3 +52,24 @@ def tiny_overrides(tmp: Path, corpus: Path, extra: list[str] = ()) -> list[str]:
             "trainer.max_steps=8", "trainer.eval_every=4", "trainer.eval_batches=2", "trainer.log_every=1",
             "trainer.ckpt_every=4", "trainer.progress=false", "trainer.num_threads=1",
             "optim.warmup_steps=2", "optim.lr=3e-3", "logging.wandb.mode=disabled", *extra]
+
+
+def with_cache(args: list[str], cache: Path) -> list[str]:
+    """The same overrides with the shard cache moved to `cache`."""
+    return [a if not a.startswith("data.cache_dir=") else f"data.cache_dir={cache}" for a in args]
+
+
+def to_config(args: list[str]):
+    """The composed config object of train.py overrides (hydra.* ones dropped)."""
+    return OmegaConf.to_object(compose_config([a for a in args if not a.startswith("hydra.")]))
+
+
+def prepare_shared_cache(tmp_path_factory, corpus: Path) -> Path:
+    """A shard cache for a whole test module, prepared in this process before any run, so that
+    no launch races to prepare it and no test depends on another."""
+    from data.shards import prepare
+
+    d = tmp_path_factory.mktemp("shared")
+    prepare(to_config(with_cache(tiny_overrides(tmp_path_factory.mktemp("prep"), corpus), d)).data, ROOT,
+            progress=False)
+    return d

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXPERIMENTS, ROOT, compose_config, run_train, tiny_overrides, write_corpus
+from helpers import (EXPERIMENTS, ROOT, compose_config, prepare_shared_cache, run_train, tiny_overrides, with_cache,
+                     write_corpus)
 
 pytestmark = pytest.mark.slow
 
@@ -100,22 +101,12 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, corpus):
-    """One shard cache, prepared here, so that no launch races to prepare it."""
-    from omegaconf import OmegaConf
-
-    from data.shards import prepare
-
-    d = tmp_path_factory.mktemp("shared")
-    args = overrides(tmp_path_factory.mktemp("prep"), corpus, d)
-    prepare(OmegaConf.to_object(compose_config([a for a in args if not a.startswith("hydra.")])).data, ROOT,
-            progress=False)
-    return d
+    return prepare_shared_cache(tmp_path_factory, corpus)
 
 
 def overrides(tmp: Path, corpus: Path, cache: Path, extra=()) -> list[str]:
     """tiny_overrides: global batch 8 = 2 micro-batches of 4 in one process, 1 per rank in two."""
-    args = tiny_overrides(tmp, corpus, [*EXTRA, *extra])
-    return [a if not a.startswith("data.cache_dir=") else f"data.cache_dir={cache}" for a in args]
+    return with_cache(tiny_overrides(tmp, corpus, [*EXTRA, *extra]), cache)
 
 
 def rows(run: Path) -> list[dict]:

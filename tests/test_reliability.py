@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, compose_config, run_train, tiny_overrides, write_corpus
+from helpers import ROOT, compose_config, prepare_shared_cache, run_train, tiny_overrides, with_cache, write_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -101,23 +101,11 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, corpus):
-    """One shard cache for the module, prepared here (in-process) so no test depends on another."""
-    from data.shards import prepare
-
-    d = tmp_path_factory.mktemp("shared")
-    cfg = to_config(overrides(tmp_path_factory.mktemp("prep"), corpus, d))
-    prepare(cfg.data, ROOT, progress=False)
-    return d
+    return prepare_shared_cache(tmp_path_factory, corpus)
 
 
 def overrides(tmp: Path, corpus: Path, cache: Path, extra=()) -> list[str]:
-    args = tiny_overrides(tmp, corpus, extra)
-    return [a if not a.startswith("data.cache_dir=") else f"data.cache_dir={cache}" for a in args]
-
-
-def to_config(args):
-    from omegaconf import OmegaConf
-    return OmegaConf.to_object(compose_config([a for a in args if not a.startswith("hydra.")]))
+    return with_cache(tiny_overrides(tmp, corpus, extra), cache)
 
 
 def train_in_process(tmp: Path, corpus: Path, cache: Path, extra=()) -> dict:
@@ -145,13 +133,18 @@ KILL_EXTRA = [f"trainer.max_steps={KILL_STEPS}", "trainer.ckpt_every=1", "traine
               "trainer.log_every=1", "trainer.eval_every=10"]
 
 
+def straight_run(tmp_path_factory, name: str, corpus: Path, cache: Path, extra: list[str]) -> Path:
+    """An uninterrupted run, the reference an interrupted one is compared with."""
+    tmp = tmp_path_factory.mktemp(name)
+    r = run_train(overrides(tmp, corpus, cache, extra))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "run"
+
+
 @pytest.fixture(scope="module")
 def straight_kill_run(tmp_path_factory, corpus, cache):
     """The uninterrupted reference for the kill -9 test (also the keep_last test's run)."""
-    tmp = tmp_path_factory.mktemp("straight")
-    r = run_train(overrides(tmp, corpus, cache, KILL_EXTRA))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return tmp / "run"
+    return straight_run(tmp_path_factory, "straight", corpus, cache, KILL_EXTRA)
 
 
 def _kill_when(p: subprocess.Popen, run_dir: Path, mode: str, rng: random.Random, deadline: float) -> None:
@@ -281,10 +274,7 @@ SIGNAL_EXTRA = [f"trainer.max_steps={SIGNAL_STEPS}", "trainer.ckpt_every=1000", 
 
 @pytest.fixture(scope="module")
 def straight_signal_run(tmp_path_factory, corpus, cache):
-    tmp = tmp_path_factory.mktemp("straight_signal")
-    r = run_train(overrides(tmp, corpus, cache, SIGNAL_EXTRA))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return tmp / "run"
+    return straight_run(tmp_path_factory, "straight_signal", corpus, cache, SIGNAL_EXTRA)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
