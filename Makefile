@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_TIME := $(shell date +%Y-%m-%d_%H-%M-%S)
 DEMO_DIR ?= runs/demo/$(DEMO_TIME)
 
-.PHONY: venv demo test clean-venv
+.PHONY: venv demo test clean-venv cutlass
 
 venv: $(VENV)/.installed
 
@@ -35,3 +35,25 @@ test: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+# make cutlass: the CUTLASS 2:4 GEMMs for Hopper (kernels/csrc/sp24_gemm_sm90.cu) as one shared library
+# that kernels/cutlass_sp24.py loads. Needs nvcc >= 12.3 and the CUTLASS headers of the nvidia-cutlass
+# wheel (pip install nvidia-cutlass==4.2.0.0; no network needed once it is installed). Build in parallel:
+# make -j8 cutlass. About a minute of compiling per configuration.
+NVCC ?= nvcc
+SP24_CFGS := 0 1 2 3 4
+CUTLASS_DIR ?= $(shell $(PYTHON) -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \
+	print(os.path.join(os.path.dirname(s.origin), 'source') if s else '')")
+SP24_FLAGS := -std=c++17 -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+	-Xcompiler -fPIC -I$(CUTLASS_DIR)/include -I$(CUTLASS_DIR)/tools/util/include
+SP24_OBJS := $(foreach c,$(SP24_CFGS),build/sp24_c$(c).o)
+
+cutlass: build/sp24_cutlass.so
+
+build/sp24_c%.o: kernels/csrc/sp24_gemm_sm90.cu
+	@test -n "$(CUTLASS_DIR)" || { echo "CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0, or make cutlass CUTLASS_DIR=<a CUTLASS checkout>"; exit 1; }
+	@mkdir -p build
+	$(NVCC) $(SP24_FLAGS) -DSP24_CFG=$* -c $< -o $@
+
+build/sp24_cutlass.so: $(SP24_OBJS)
+	$(NVCC) -shared -gencode arch=compute_90a,code=sm_90a $(SP24_LDFLAGS) $^ -o $@

@@ -1,0 +1,114 @@
+"""CUTLASS 3.x 2:4 GEMMs for Hopper (kernels/csrc/sp24_gemm_sm90.cu), called through ctypes.
+
+`make cutlass` builds build/sp24_cutlass.so on a machine with nvcc (see the README); the path
+can be overridden with SP24_CUTLASS_LIB. Without it, `available()` is False and the FFN uses
+cuSPARSELt (kernels/cusparselt.py).
+
+The compressed operand is the buffer the sparsify kernels write (values [M, K/2] row-major, then
+the metadata), with the metadata in a CUTLASS layout ("cutlass_k64" / "cutlass_k128" in
+kernels/cslt_layout.py, matching the tile K of the configuration that reads it).
+"""
+import ctypes
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_STATUS = {1: "cannot implement (shape or alignment)", 2: "workspace too small", 3: "initialize failed",
+           4: "launch failed", 5: "not built for this GPU"}
+ABI_VERSION = 1
+# configuration id -> (tile M, N, K, cluster, schedule), as in sp24_gemm_sm90.cu
+CONFIGS = {0: "128x128x128 c1x2 coop", 1: "128x256x64 c1x2 coop", 2: "256x128x64 c2x1 coop",
+           3: "128x128x128 c2x1 pingpong", 4: "128x128x64 c1x2 coop"}
+TILE_K = {0: 128, 1: 64, 2: 64, 3: 128, 4: 64}
+
+
+def library_path() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.environ.get("SP24_CUTLASS_LIB", os.path.join(root, "build", "sp24_cutlass.so"))
+
+
+_LIB: list = []  # [ctypes library or None], loaded once
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    if not _LIB:
+        lib = None
+        path = library_path()
+        if os.path.exists(path):
+            lib = ctypes.CDLL(path)
+            if lib.sp24_abi_version() != ABI_VERSION:
+                raise RuntimeError(f"{path} was built from another version of sp24_gemm_sm90.cu: run make cutlass")
+        _LIB.append(lib)
+    return _LIB[0]
+
+
+def available(device=None) -> bool:
+    """The library is built and the GPU is a Hopper (sm90)."""
+    if not torch.cuda.is_available():
+        return False
+    return _lib() is not None and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _fn(name: str, restype=ctypes.c_int):
+    fn = getattr(_lib(), name)
+    if fn.restype is not restype:
+        p, i = ctypes.c_void_p, ctypes.c_int
+        if name.endswith("_workspace"):
+            fn.argtypes = [i, i, i]
+        elif name.startswith("sp24_compress"):
+            fn.argtypes = [p, p, p, i, i, p, ctypes.c_size_t, p]
+        else:
+            fn.argtypes = [p, p, p, p, i, i, i, p, ctypes.c_size_t, p]
+        fn.restype = restype
+    return fn
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise RuntimeError(f"CUTLASS 2:4 {what}: {_STATUS.get(status, status)}")
+
+
+_WS: dict = {}
+
+
+def mm(buf: Tensor, b: Tensor, cfg: int = 0, out_transposed: bool = False) -> Tensor:
+    """A @ B for A [M, K] compressed in `buf` (bf16 [M, 9K/16], metadata in cfg's layout) and a bf16
+    B [K, N] (row-major, or the transpose of a row-major [N, K]). out_transposed: the product
+    comes back as the transpose of a row-major [N, M] (what the weight gradient dW2 wants)."""
+    k, n = b.shape
+    m = buf.shape[0]
+    if buf.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or buf.numel() * 16 != m * k * 9:
+        raise ValueError(f"cutlass_sp24.mm: needs bf16 A [M, 9K/16] and B [K, N], got {tuple(buf.shape)} "
+                         f"{buf.dtype} and {tuple(b.shape)} {b.dtype}")
+    if b.is_contiguous():
+        major = "n"
+    elif b.t().is_contiguous():
+        major = "k"
+    else:
+        b, major = b.contiguous(), "n"
+    if out_transposed and major != "n":
+        b, major = b.contiguous(), "n"
+    name = f"sp24_gemm_c{cfg}_{major}{'c' if out_transposed else 'r'}"
+    key = (name, m, n, k)
+    if key not in _WS:
+        _WS[key] = _fn(name + "_workspace", ctypes.c_size_t)(m, n, k)
+    d = torch.empty((n, m) if out_transposed else (m, n), dtype=torch.bfloat16, device=buf.device)
+    ws = torch.empty(max(_WS[key], 1), dtype=torch.uint8, device=buf.device)
+    stream = torch.cuda.current_stream(buf.device).cuda_stream
+    _check(_fn(name)(buf.data_ptr(), buf.data_ptr() + m * k, b.data_ptr(), d.data_ptr(), m, n, k,
+                     ws.data_ptr(), _WS[key], stream), f"{name} [{m}, {k}] x [{k}, {n}]")
+    return d.t() if out_transposed else d
+
+
+def compress(a: Tensor, tile_k: int) -> Tensor:
+    """CUTLASS's own compressor (for the tests): a [M, K] bf16 2:4 matrix -> the buffer
+    [M, 9K/16] with the metadata in layout cutlass_k{tile_k}."""
+    m, k = a.shape
+    buf = torch.zeros(m, k * 9 // 16, dtype=torch.bfloat16, device=a.device)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=a.device)
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    _check(_fn(f"sp24_compress_k{tile_k}")(a.contiguous().data_ptr(), buf.data_ptr(), buf.data_ptr() + m * k,
+                                            m, k, ws.data_ptr(), ws.numel(), stream), "compress")
+    return buf
