@@ -51,18 +51,22 @@ def available(device=None) -> bool:
     return _lib() is not None and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _fn(name: str, restype=ctypes.c_int):
-    fn = getattr(_lib(), name)
-    if fn.restype is not restype:
+_FNS: dict = {}
+
+
+def _fn(name: str):
+    """The exported function `name`, with its ctypes signature (set once)."""
+    if name not in _FNS:
+        fn = getattr(_lib(), name)
         p, i = ctypes.c_void_p, ctypes.c_int
         if name.endswith("_workspace"):
-            fn.argtypes = [i, i, i]
+            fn.argtypes, fn.restype = [i, i, i], ctypes.c_size_t
         elif name.startswith("sp24_compress"):
-            fn.argtypes = [p, p, p, i, i, p, ctypes.c_size_t, p]
+            fn.argtypes, fn.restype = [p, p, p, i, i, p, ctypes.c_size_t, p], i
         else:
-            fn.argtypes = [p, p, p, p, i, i, i, p, ctypes.c_size_t, p]
-        fn.restype = restype
-    return fn
+            fn.argtypes, fn.restype = [p, p, p, p, i, i, i, p, ctypes.c_size_t, p], i
+        _FNS[name] = fn
+    return _FNS[name]
 
 
 def _check(status: int, what: str) -> None:
@@ -93,7 +97,7 @@ def mm(buf: Tensor, b: Tensor, cfg: int = 0, out_transposed: bool = False) -> Te
     name = f"sp24_gemm_c{cfg}_{major}{'c' if out_transposed else 'r'}"
     key = (name, m, n, k)
     if key not in _WS:
-        _WS[key] = _fn(name + "_workspace", ctypes.c_size_t)(m, n, k)
+        _WS[key] = _fn(name + "_workspace")(m, n, k)
     d = torch.empty((n, m) if out_transposed else (m, n), dtype=torch.bfloat16, device=buf.device)
     ws = torch.empty(max(_WS[key], 1), dtype=torch.uint8, device=buf.device)
     stream = torch.cuda.current_stream(buf.device).cuda_stream
