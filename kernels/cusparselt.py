@@ -10,7 +10,8 @@ the plan are built once per (shape, layout, algorithm) and kept; a call is one
 The descriptors are the ones `torch._cslt_sparse_mm` sets up (aten/src/ATen/native/sparse/cuda/
 cuSPARSELtOps.cpp), so the compressed operand is the same buffer: A [m, k] 2:4 row-major
 (compressed, as kernels/sparsify24*.py write it), B [k, n] row-major or the transpose of a
-row-major [n, k], D [m, n] row-major bf16, fp32 accumulation. The library is the one torch
+row-major [n, k], D [m, n] row-major bf16 (or column-major: torch's `transpose_result`, the product
+returned as its transpose [n, m], which is how the weight gradient dW2 is wanted), fp32 accumulation. The library is the one torch
 loaded. Each new plan's product is checked once against torch's; any failure (library not
 found, an error status, a different product) falls back to torch._cslt_sparse_mm with a
 warning, so this can only make the GEMM cheaper to launch, never wrong. Inputs it was not built
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 # enum values of cusparseLt.h (0.5+) and library_types.h / cusparse.h
-_CUDA_R_16BF, _ORDER_ROW, _OP_N, _OP_T = 14, 2, 0, 1
+_CUDA_R_16BF, _ORDER_COL, _ORDER_ROW, _OP_N, _OP_T = 14, 1, 2, 0, 1
 _SPARSITY_50, _COMPUTE_32F, _ALG_DEFAULT, _ALG_CONFIG_ID = 0, 2, 0, 0
 _MIN_VERSION = 502  # major * 1000 + minor * 100 + patch
 _OPAQUE_BYTES = 16384  # the opaque structs are 1 KiB or less in 0.5-0.8; room to spare, 64-byte aligned
@@ -98,8 +99,9 @@ class _Lib:
 class _Plan:
     """Descriptors and plan of one GEMM shape; `run` enqueues it."""
 
-    def __init__(self, lib: _Lib, m: int, k: int, n: int, b_transposed: bool, alg: int, device):
-        self.lib, self.m, self.n = lib, m, n
+    def __init__(self, lib: _Lib, m: int, k: int, n: int, b_transposed: bool, alg: int, device,
+                 transpose_result: bool = False):
+        self.lib, self.m, self.n, self.transpose_result = lib, m, n, transpose_result
         h = lib.handle.ptr
         self.a, self.b, self.d = _Opaque(), _Opaque(), _Opaque()
         self.mm, self.sel, self.plan = _Opaque(), _Opaque(), _Opaque()
@@ -107,7 +109,8 @@ class _Plan:
                   _SPARSITY_50)
         rows, cols = (n, k) if b_transposed else (k, n)
         lib.check("cusparseLtDenseDescriptorInit", h, self.b.ptr, rows, cols, cols, 16, _CUDA_R_16BF, _ORDER_ROW)
-        lib.check("cusparseLtDenseDescriptorInit", h, self.d.ptr, m, n, n, 16, _CUDA_R_16BF, _ORDER_ROW)
+        lib.check("cusparseLtDenseDescriptorInit", h, self.d.ptr, m, n, m if transpose_result else n, 16, _CUDA_R_16BF,
+                  _ORDER_COL if transpose_result else _ORDER_ROW)
         lib.check("cusparseLtMatmulDescriptorInit", h, self.mm.ptr, _OP_N, _OP_T if b_transposed else _OP_N,
                   self.a.ptr, self.b.ptr, self.d.ptr, self.d.ptr, _COMPUTE_32F)
         lib.check("cusparseLtMatmulAlgSelectionInit", h, self.sel.ptr, self.mm.ptr, _ALG_DEFAULT)
@@ -121,7 +124,8 @@ class _Plan:
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def run(self, a: Tensor, b: Tensor) -> Tensor:
-        d = torch.empty(self.m, self.n, dtype=torch.bfloat16, device=a.device)
+        shape = (self.n, self.m) if self.transpose_result else (self.m, self.n)
+        d = torch.empty(shape, dtype=torch.bfloat16, device=a.device)
         # per call and stream-ordered, as torch's op does: no sharing between streams
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=a.device)
         stream = (ctypes.c_void_p * 1)(torch.cuda.current_stream(a.device).cuda_stream)
@@ -138,7 +142,7 @@ class _Plan:
 
 
 _LIB: dict = {}     # device index -> _Lib, or None where it could not be loaded
-_PLANS: dict = {}   # (device index, m, k, n, b_transposed, alg) -> _Plan, or None: use torch's op
+_PLANS: dict = {}   # (device index, m, k, n, b_transposed, alg, transpose_result) -> _Plan, or None: torch's op
 _LOCK = threading.Lock()  # forward (main thread) and backward (autograd's thread) both build plans
 
 
@@ -163,20 +167,23 @@ def _library(device) -> Optional[_Lib]:
     return _LIB[idx]
 
 
-def _torch_mm(a: Tensor, b: Tensor, alg: int) -> Tensor:
-    return torch._cslt_sparse_mm(a, b, alg_id=alg) if alg else torch._cslt_sparse_mm(a, b)
+def _torch_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) -> Tensor:
+    kw = {"alg_id": alg} if alg else {}
+    if transpose_result:
+        kw["transpose_result"] = True
+    return torch._cslt_sparse_mm(a, b, **kw)
 
 
 def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
     """A plan for this GEMM, kept only if its product equals torch's bit for bit."""
-    idx, m, k, n, b_transposed, alg = key
+    idx, m, k, n, b_transposed, alg, transpose_result = key
     lib = _library(a.device)
     if lib is None:
         return None
     plan = None
     try:
-        plan = _Plan(lib, m, k, n, b_transposed, alg, a.device)
-        want, got = _torch_mm(a, b, alg), plan.run(a, b)
+        plan = _Plan(lib, m, k, n, b_transposed, alg, a.device, transpose_result)
+        want, got = _torch_mm(a, b, alg, transpose_result), plan.run(a, b)
         if torch.equal(got, want):
             return plan
         err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
@@ -189,9 +196,10 @@ def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
     return None
 
 
-def cached_mm(a: Tensor, b: Tensor, alg: int) -> Tensor:
-    """torch._cslt_sparse_mm(a, b, alg_id=alg) for a bf16 compressed A [m, 9k/16] on CUDA and a
-    bf16 B [k, n] (row-major, or the transpose of a row-major matrix), with the plan built once."""
+def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) -> Tensor:
+    """torch._cslt_sparse_mm(a, b, alg_id=alg, transpose_result=...) for a bf16 compressed A
+    [m, 9k/16] on CUDA and a bf16 B [k, n] (row-major, or the transpose of a row-major matrix),
+    with the plan built once. transpose_result: the product comes back as (A B)^T, [n, m]."""
     b_transposed = not b.is_contiguous()
     if b_transposed and not b.t().is_contiguous():
         b = b.contiguous()
@@ -200,12 +208,12 @@ def cached_mm(a: Tensor, b: Tensor, alg: int) -> Tensor:
     idx = a.get_device()
     if (a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or not a.is_contiguous() or a.numel() * 16 != m * k * 9
             or a.data_ptr() % 16 or b.data_ptr() % 16 or b.get_device() != idx or idx != torch.cuda.current_device()):
-        return _torch_mm(a, b, alg)  # not what the plans are built for: torch's op checks and guards
-    key = (idx, m, k, n, b_transposed, alg)
+        return _torch_mm(a, b, alg, transpose_result)  # not what the plans are built for: torch's op checks
+    key = (idx, m, k, n, b_transposed, alg, transpose_result)
     plan = _PLANS.get(key, False)
     if plan is False:
         with _LOCK:
             if key not in _PLANS:
                 _PLANS[key] = _new_plan(a, b, key)
             plan = _PLANS[key]
-    return _torch_mm(a, b, alg) if plan is None else plan.run(a, b)
+    return _torch_mm(a, b, alg, transpose_result) if plan is None else plan.run(a, b)

@@ -136,6 +136,15 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
     Tp = s_a.shape[1] * 16 // 9
     dy_p, x_p = F.pad(dy[perm], (0, 0, 0, Tp - T)), F.pad(x[perm], (0, 0, 0, Tp - T))
     dx_p = sparse_mm(dzb, w1)[:T]
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(T, device="cuda")
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    a_dense, dz_dense = a_d @ dy_p, dz_d @ x_p
+
+    def dense_back():
+        dw2[:, dense] = a_dense.t()
+        dw1[dense] = dz_dense
+
     parts = {
         "fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
         "fw: fused srelu+2:4+compress": lambda: srelu_sparsify24(z),
@@ -143,11 +152,14 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
         "bw: dA = dY W2 (dense)": lambda: dy @ w2,
         "bw: dZ, S(A24)^T, S(dZ)^T in one pass (fused)": lambda: backward_operands(z, da, perm, dense),
         "bw: dX = dZ W1 (sparse)": lambda: sparse_mm(dzb, w1),
-        "bw: dX rows back to token order": lambda: torch.empty_like(dx_p).index_copy_(0, perm, dx_p),
+        "bw: dX rows back to token order": lambda: dx_p.index_select(0, inverse),
         "bw: permute dY and X": lambda: (dy[perm], x[perm]),
-        "bw: dW2 (sparse)": lambda: sparse_mm(s_a, dy_p),
+        "bw: dW2 (sparse), written as [d, F]": lambda: sparse_mm(s_a, dy_p, transpose_result=True),
         "bw: dW1 (sparse)": lambda: sparse_mm(s_dz, x_p),
         "bw: dense-feature GEMMs": lambda: (a_d @ dy_p, dz_d @ x_p),
+        "bw: the dense features' rows into dW1, dW2": dense_back,
+        "bw: permutation, its inverse, feature sort": lambda: (torch.randperm(T, device="cuda"),
+                                                             torch.sort(-counts, stable=True)),
     }
     return {k: bench(fn) for k, fn in parts.items()}
 

@@ -38,7 +38,7 @@ class _FakePlan:
     """Stands in for a cuSPARSELt plan on CPU: its product is a chosen function of A and B."""
     destroyed = []
 
-    def __init__(self, lib, m, k, n, b_transposed, alg, device, product=None, fail=False):
+    def __init__(self, lib, m, k, n, b_transposed, alg, device, transpose_result=False, product=None, fail=False):
         if fail:
             raise ValueError("plan init failed")
         self.product = product
@@ -61,7 +61,7 @@ def test_a_plan_is_kept_only_if_its_product_equals_torchs(monkeypatch, fresh_cac
     product = (lambda a, b: torch_product.clone()) if case == "equal" else (lambda a, b: torch_product + 1)
     monkeypatch.setattr(C, "_Plan", lambda *args: _FakePlan(*args, product=product, fail=case == "raises"))
     _FakePlan.destroyed.clear()
-    key = (0, 64, 64, 32, False, 0)
+    key = (0, 64, 64, 32, False, 0, False)
     if case == "equal":
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -84,11 +84,11 @@ class _NullContext:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(64, 64, 32), (4032, 1024, 256), (2048, 8192, 2048), (8192, 2048, 512)])
-@pytest.mark.parametrize("b_transposed", [False, True])
+@pytest.mark.parametrize("b_transposed,transpose_result", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("searched", [False, True])
-def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed, searched):
-    """Default and searched algorithm ids (the FFN runs the searched ones); the second call
-    reuses the plan on fresh inputs."""
+def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed, transpose_result, searched):
+    """Default and searched algorithm ids (the FFN runs the searched ones), row- and column-major
+    products (dW2 is written transposed); the second call reuses the plan on fresh inputs."""
     from kernels.sparsify24 import srelu_sparsify24
 
     def operands():
@@ -98,15 +98,15 @@ def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed
         return a, b
 
     a, b = operands()
-    alg = torch._C._cusparselt.mm_search(a, b, None, None, None, False)[0] if searched else 0
+    alg = torch._C._cusparselt.mm_search(a, b, None, None, None, transpose_result)[0] if searched else 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback would warn: the plan must be taken
-        C.cached_mm(a, b, alg)
+        C.cached_mm(a, b, alg, transpose_result)
         a2, b2 = operands()
-        again = C.cached_mm(a2, b2, alg)  # the cached plan, new inputs
+        again = C.cached_mm(a2, b2, alg, transpose_result)  # the cached plan, new inputs
     assert sum(p is not None for p in C._PLANS.values()) == 1
-    want = torch._cslt_sparse_mm(a2, b2, alg_id=alg) if alg else torch._cslt_sparse_mm(a2, b2)
-    assert torch.equal(again, want)
+    want = C._torch_mm(a2, b2, alg, transpose_result)
+    assert again.shape == ((n, m) if transpose_result else (m, n)) and torch.equal(again, want)
 
 
 @pytest.mark.gpu

@@ -110,10 +110,7 @@ def test_kernel_ffn_equals_the_reference(monkeypatch, recipe):
     import kernels.srelu24_ffn as K
     from model.sparse24 import Sparse24Recipe, srelu24_ffn
 
-    def cslt_stand_in(buf, b, **kw):
-        return (decompress(buf, buf.shape[0], b.shape[0]).float() @ b.float()).to(torch.bfloat16)
-
-    monkeypatch.setattr(torch, "_cslt_sparse_mm", cslt_stand_in, raising=False)
+    _cslt_stand_in(monkeypatch)
     r = Sparse24Recipe(*recipe)
     g = torch.Generator().manual_seed(sum(map(hash, recipe)) % 1000)
     x = torch.randn(100, 64, generator=g).bfloat16()
@@ -134,8 +131,10 @@ def test_kernel_ffn_equals_the_reference(monkeypatch, recipe):
 
 
 def _cslt_stand_in(monkeypatch):
-    def cslt_stand_in(buf, b, **kw):
-        return (decompress(buf, buf.shape[0], b.shape[0]).float() @ b.float()).to(torch.bfloat16)
+    """torch._cslt_sparse_mm on CPU: decompress + matmul (transpose_result as torch's: (A B)^T)."""
+    def cslt_stand_in(buf, b, transpose_result=False, **kw):
+        y = (decompress(buf, buf.shape[0], b.shape[0]).float() @ b.float()).to(torch.bfloat16)
+        return y.t().contiguous() if transpose_result else y
 
     monkeypatch.setattr(torch, "_cslt_sparse_mm", cslt_stand_in, raising=False)
 

@@ -25,7 +25,7 @@ def close(fig) -> None:
 
 
 BREAKDOWN_GROUPS = (("dense GEMMs", "(dense)"), ("sparse GEMMs", "(sparse)"), ("sparsify passes", "fused"),
-                    ("dense-feature GEMMs", "dense-feature"), ("permute / scatter rows", ""))
+                    ("dense-feature GEMMs", "dense-feature"), ("permute, gather, other", ""))
 
 
 def ffn_breakdown(breakdown: dict, fwbw: dict):
