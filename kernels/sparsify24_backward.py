@@ -227,3 +227,31 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
         REUSE=reuse_forward_mask, BANDS=bands, num_warps=num_warps)
     dz = dz_buf.view(Tr, -1) if reuse_forward_mask else None
     return dz, (a_buf.view(Fh, -1), a_full[:k]), (g_buf.view(Fh, -1), g_full[:k])
+
+
+@triton.jit
+def _write_dense_features_kernel(dw1_ptr, dw2_ptr, dense_ptr, g1_ptr, g2_ptr, k, D, F,
+                                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (block of dense features, block of d): dW1 rows (coalesced) and dW2 columns."""
+    j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = (j < k)[:, None] & (d < D)[None, :]
+    f = tl.load(dense_ptr + j, mask=j < k, other=0).to(tl.int64)
+    src = j[:, None] * D + d[None, :]
+    tl.store(dw1_ptr + f[:, None] * D + d[None, :], tl.load(g1_ptr + src, mask=ok), mask=ok)
+    tl.store(dw2_ptr + d[None, :].to(tl.int64) * F + f[:, None], tl.load(g2_ptr + src, mask=ok), mask=ok)
+
+
+def write_dense_features(dw1: Tensor, dw2: Tensor, dense: Tensor, g1: Tensor, g2: Tensor) -> None:
+    """dw1[dense] = g1 and dw2[:, dense] = g2^T, in place (dw1 [F, d], dw2 [d, F], g1 and g2 [k, d],
+    all contiguous). torch's indexed assignment into dW2's columns took 0.2 ms at 7B."""
+    k, D = g1.shape
+    F_ = dw1.shape[0]
+    if not (dw1.is_contiguous() and dw2.is_contiguous() and g1.is_contiguous() and g2.is_contiguous()):
+        raise ValueError("write_dense_features needs contiguous tensors")
+    if dw1.shape != (F_, D) or dw2.shape != (D, F_) or g2.shape != (k, D) or dense.shape != (k,):
+        raise ValueError(f"write_dense_features: shapes dw1 {tuple(dw1.shape)}, dw2 {tuple(dw2.shape)}, "
+                         f"dense {tuple(dense.shape)}, g1 {tuple(g1.shape)}, g2 {tuple(g2.shape)} do not agree")
+    if k:
+        grid = (triton.cdiv(k, 32), triton.cdiv(D, 128))
+        _write_dense_features_kernel[grid](dw1, dw2, dense, g1, g2, k, D, F_, BLOCK_K=32, BLOCK_D=128)

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.sparse24 import Sparse24Recipe
+from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_order
 from model.stats import N_SUMS, sparse24_sums_from_counts
 
 from .cusparselt import cached_mm
 from .sparsify24 import srelu_sparsify24
-from .sparsify24_backward import backward_operands, padded_tokens
+from .sparsify24_backward import backward_operands, padded_tokens, write_dense_features
 
 
 def available(x: Tensor) -> bool:
@@ -109,9 +109,8 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     T = x.shape[0]
     dy = dy.to(torch.bfloat16).contiguous()
     da = dy @ w2                                           # [T, F] dense
-    perm = torch.randperm(T, device=x.device) if token_permutation else None
-    k = int(round(dense_feature_fraction * z.shape[1]))
-    dense = torch.sort(-counts, stable=True).indices[:k] if k > 0 else None
+    perm = random_token_order(T, x.device) if token_permutation else None
+    dense = densest_from_counts(counts, dense_feature_fraction)
     # one pass over Z and dA writes all three sparse operands (dZ's rows in permuted order)
     dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(z, da, perm, dense, reuse_forward_mask)
     if reuse_forward_mask:
@@ -129,8 +128,7 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     dw2 = sparse_mm(s_a, dy_p, transpose_result=True)      # [d, F], no transpose pass
     dw1 = sparse_mm(s_dz, x_p)                             # [F, d]
     if dense is not None:                                  # exact gradients of the dense features
-        dw2[:, dense] = (a_dense @ dy_p).t()
-        dw1[dense] = dz_dense @ x_p
+        write_dense_features(dw1, dw2, dense, dz_dense @ x_p, a_dense @ dy_p)
     return dx.contiguous(), dw1.contiguous(), dw2
 
 

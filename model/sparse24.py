@@ -44,12 +44,21 @@ def sparsify_tokens_2to4(t: Tensor, dense_features: Optional[Tensor]) -> Tensor:
 
 def densest_features(a: Tensor, fraction: float) -> Optional[Tensor]:
     """Indices of the `fraction` of features with the most non-zeros along tokens."""
-    k = int(round(fraction * a.shape[1]))
+    return densest_from_counts((a != 0).sum(0), fraction)
+
+
+def densest_from_counts(counts: Tensor, fraction: float) -> Optional[Tensor]:
+    """The `fraction` of features with the highest `counts` (non-zeros per feature), None if none."""
+    k = int(round(fraction * counts.shape[0]))
     if k <= 0:
         return None
-    counts = (a != 0).sum(0)
     # stable sort on -counts: ties go to the lower feature index
     return torch.sort(-counts, stable=True).indices[:k]
+
+
+def random_token_order(T: int, device) -> Tensor:
+    """The random token order of the weight gradients' 2:4 along tokens (one per backward)."""
+    return torch.randperm(T, device=device)
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ class _SReLU24(torch.autograd.Function):
 
         # Weight gradients reduce over tokens: 2:4 along tokens, after a permutation.
         T = x.shape[0]
-        perm = torch.randperm(T, device=x.device) if r.token_permutation else None
+        perm = random_token_order(T, x.device) if r.token_permutation else None
         pick = (lambda t: t[perm]) if perm is not None else (lambda t: t)
         dense = densest_features(a24, r.dense_feature_fraction)
         dw2 = pick(dy).t() @ sparsify_tokens_2to4(pick(a24), dense)

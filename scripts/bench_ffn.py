@@ -24,8 +24,8 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.cslt_layout import decompress  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_bwd, srelu24_ffn_fwd, srelu24_ffn_kernels  # noqa: E402
-from kernels.sparsify24_backward import backward_operands  # noqa: E402
-from model.sparse24 import Sparse24Recipe, srelu24_ffn  # noqa: E402
+from kernels.sparsify24_backward import backward_operands, write_dense_features  # noqa: E402
+from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
 from training.logger import environment  # noqa: E402
@@ -130,20 +130,22 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
     z = F.linear(x, w1)
     buf, counts = srelu_sparsify24(z)
     da = dy @ w2
-    perm = torch.randperm(T, device="cuda")
-    dense = torch.sort(-counts, stable=True).indices[: int(0.05 * Fh)]
+    perm = random_token_order(T, "cuda")
+    dense = densest_from_counts(counts, RECIPE.dense_feature_fraction)
     dzb, (s_a, a_d), (s_dz, dz_d) = backward_operands(z, da, perm, dense)
     Tp = s_a.shape[1] * 16 // 9
     dy_p, x_p = F.pad(dy[perm], (0, 0, 0, Tp - T)), F.pad(x[perm], (0, 0, 0, Tp - T))
     dx_p = sparse_mm(dzb, w1)[:T]
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(T, device="cuda")
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
     a_dense, dz_dense = a_d @ dy_p, dz_d @ x_p
 
-    def dense_back():
-        dw2[:, dense] = a_dense.t()
-        dw1[dense] = dz_dense
+    def orders():
+        p = random_token_order(T, "cuda")
+        inv = torch.empty_like(p)
+        inv[p] = torch.arange(T, device="cuda")
+        return inv, densest_from_counts(counts, RECIPE.dense_feature_fraction)
+
+    inverse = orders()[0]
 
     parts = {
         "fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
@@ -157,9 +159,9 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
         "bw: dW2 (sparse), written as [d, F]": lambda: sparse_mm(s_a, dy_p, transpose_result=True),
         "bw: dW1 (sparse)": lambda: sparse_mm(s_dz, x_p),
         "bw: dense-feature GEMMs": lambda: (a_d @ dy_p, dz_d @ x_p),
-        "bw: the dense features' rows into dW1, dW2": dense_back,
-        "bw: permutation, its inverse, feature sort": lambda: (torch.randperm(T, device="cuda"),
-                                                             torch.sort(-counts, stable=True)),
+        "bw: the dense features' rows into dW1, dW2": lambda: write_dense_features(dw1, dw2, dense, dz_dense,
+                                                                                  a_dense),
+        "bw: permutation, its inverse, feature sort": orders,
     }
     return {k: bench(fn) for k, fn in parts.items()}
 

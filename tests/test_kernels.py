@@ -321,3 +321,22 @@ def test_backward_operands_on_cuda_equal_reference():
     assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
         assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
+
+
+@pytest.mark.parametrize("k,d,f", [(0, 64, 96), (5, 64, 96), (40, 200, 320)])
+def test_write_dense_features_equals_indexed_assignment(k, d, f):
+    """dW1's rows and dW2's columns of the dense features (k not a multiple of the block, d not
+    a multiple of 128); everything else untouched."""
+    from kernels.sparsify24_backward import write_dense_features
+
+    g = torch.Generator().manual_seed(k + d)
+    dw1, dw2 = torch.randn(f, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16()
+    dense = torch.randperm(f, generator=g)[:k]
+    g1, g2 = torch.randn(k, d, generator=g).bfloat16(), torch.randn(k, d, generator=g).bfloat16()
+    want1, want2 = dw1.clone(), dw2.clone()
+    want1[dense] = g1
+    want2[:, dense] = g2.t()
+    write_dense_features(dw1, dw2, dense, g1, g2)
+    assert torch.equal(dw1, want1) and torch.equal(dw2, want2)
+    with pytest.raises(ValueError, match="do not agree"):
+        write_dense_features(dw1, dw2.t().contiguous(), dense, g1, g2)  # d != f in every case
