@@ -44,9 +44,9 @@ NVCC ?= nvcc
 SP24_CFGS := 0 1 2 3 4
 CUTLASS_DIR ?= $(shell $(PYTHON) -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \
 	print(os.path.join(os.path.dirname(s.origin), 'source') if s else '')")
-SP24_FLAGS := -std=c++17 -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+SP24_FLAGS = -std=c++17 -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 	-Xcompiler -fPIC -I$(CUTLASS_DIR)/include -I$(CUTLASS_DIR)/tools/util/include
-SP24_OBJS := $(foreach c,$(SP24_CFGS),build/sp24_c$(c).o)
+SP24_OBJS = $(foreach c,$(SP24_CFGS),build/sp24_c$(c).o)
 
 cutlass: build/sp24_cutlass.so
 

@@ -3,7 +3,7 @@
 With the forward mask re-used, the backward needs (tokens permuted by `perm`):
 
     dZ   compressed along features at the forward's positions, rows in permuted order
-         (dX = dZ W1 then comes out permuted; the caller scatters its rows back)
+         (dX = dZ W1 then comes out permuted; the caller gathers its rows back)
     S(A24)^T, S(dZ)^T  2:4 along tokens, transposed (dW2 = dY^T S(A24), dW1 = S(dZ)^T X), the
          dense features zeroed there and their exact values written to [k, Tp] buffers
 

@@ -9,7 +9,12 @@ Same function as model.sparse24.srelu24_ffn (its reference), GEMM by GEMM:
                                          (dense GEMM when reuse_forward_mask is off)
               dW2 = dY^T S(A24)          sparse: S()^T tokens permuted, dense features zeroed
               dW1 = S(dZ)^T X            there and computed by a dense GEMM over those features
-              the three sparse operands from one pass (kernels/sparsify24_backward.py)
+              the three sparse operands from one pass (kernels/sparsify24_backward.py);
+              dW2 comes out of cuSPARSELt as [d, F] (column-major result), dX's rows are
+              gathered back to token order
+
+cuSPARSELt was chosen over CUTLASS's sm90 2:4 GEMM by measurement (kernels/cutlass_sp24.py,
+scripts/bench_sp24_gemm.py, benchmarks/RESULTS.md).
 
 Inputs in bf16 (the autocast dtype); tokens are padded to 64 for the sparse operands.
 """
