@@ -1,7 +1,7 @@
 """The srelu24 FFN against dense on the GPU: correctness of the kernels against their
-references, then median times (triton do_bench) of forward and forward+backward for SwiGLU,
-dense srelu (eager and compiled) and srelu24 (kernels/srelu24_ffn.py), the fused sparsify
-pass against a copy, where srelu24's time goes (piece by piece at 7B/1B, T=16384 and 1B,
+references, then median times (triton do_bench) of forward and forward+backward (backward as
+their difference) for SwiGLU, dense srelu (eager and compiled) and srelu24
+(kernels/srelu24_ffn.py), the fused sparsify pass against a copy, where srelu24's time goes (piece by piece at 7B/1B, T=16384 and 1B,
 T=4096), and its host time per call against its GPU kernel time (`overhead`).
 
     python scripts/bench_ffn.py                     # 1B and 7B shapes, T = 4096, 16384, 65536
@@ -286,6 +286,26 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled) -> dict:
     return r
 
 
+VARIANTS = ("dense_eager", "dense_compiled", "swiglu", "srelu24")
+
+
+def derived_backward(forward: list, fwbw: list) -> list:
+    """Backward alone, per variant: the fw+bw median minus the forward median of the same run
+    (a difference of medians: backward is not timed on its own, because a compiled graph's
+    backward cannot be replayed without its forward)."""
+    fw = {(r["shape"], r["T"]): r for r in forward}
+    out = []
+    for r in fwbw:
+        f = fw.get((r["shape"], r["T"]))
+        if f:
+            b = {"shape": r["shape"], "T": r["T"]}
+            b.update({f"bw_{v}_ms": r[f"fwbw_{v}_ms"] - f[f"fw_{v}_ms"] for v in VARIANTS})
+            b["bw_speedup_vs_eager"] = b["bw_dense_eager_ms"] / b["bw_srelu24_ms"]
+            b["bw_speedup_vs_compiled"] = b["bw_dense_compiled_ms"] / b["bw_srelu24_ms"]
+            out.append(b)
+    return out
+
+
 def plot_breakdown(result: Path) -> Path:
     """The saved result's breakdown as a stacked bar chart (training/plots.ffn_breakdown), PNG
     beside the JSON."""
@@ -346,7 +366,8 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
                                     "environment": environment(), "checks": checks, "forward": rows,
-                                    "fwbw": fb, "breakdown": bd, "overhead": overhead}, indent=2))
+                                    "fwbw": fb, "backward_derived": derived_backward(rows, fb), "breakdown": bd,
+                                    "overhead": overhead}, indent=2))
     if bd:
         print(f"wrote {plot_breakdown(args.out)}")
     print(f"\n{torch.cuda.get_device_name()}: forward")
@@ -363,6 +384,14 @@ def main() -> int:
         print(f"| {r['shape']} | {r['T']} | {r['fwbw_dense_eager_ms']:.3f} | {r['fwbw_dense_compiled_ms']:.3f} "
               f"| {r['fwbw_swiglu_ms']:.3f} | {r['fwbw_srelu24_ms']:.3f} | {r['fwbw_speedup_vs_eager']:.2f}x "
               f"| {r['fwbw_speedup_vs_compiled']:.2f}x |")
+    bw = derived_backward(rows, fb)
+    if bw:
+        print("\nbackward (ms): fw+bw median minus forward median, same run")
+        print("| shape | T | dense eager | dense compiled | swiglu | srelu24 | vs eager | vs compiled |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in bw:
+            print(f"| {r['shape']} | {r['T']} | " + " | ".join(f"{r[f'bw_{v}_ms']:.3f}" for v in VARIANTS)
+                  + f" | {r['bw_speedup_vs_eager']:.2f}x | {r['bw_speedup_vs_compiled']:.2f}x |")
     for name, parts in bd.items():
         print(f"\nsrelu24 at {name}, piece by piece (ms)")
         for k, v in parts.items():
