@@ -38,11 +38,13 @@ clean-venv:
 
 # make cutlass: the CUTLASS 2:4 GEMMs for Hopper (kernels/csrc/sp24_gemm_sm90.cu) as one shared library
 # that kernels/cutlass_sp24.py loads. Needs nvcc >= 12.3 and the CUTLASS headers of the nvidia-cutlass
-# wheel (pip install nvidia-cutlass==4.2.0.0; no network needed once it is installed). Build in parallel:
-# make -j8 cutlass. About a minute of compiling per configuration.
+# wheel (pip install nvidia-cutlass==4.2.0.0; no network needed once it is installed), found through the
+# .venv's python if there is one. Build in parallel: make -j5 cutlass (one job per configuration, about
+# a minute each). SP24_LDFLAGS: extra link flags, e.g. -L<CUDA lib dir> where nvcc does not find cudart.
 NVCC ?= nvcc
 SP24_CFGS := 0 1 2 3 4
-CUTLASS_DIR ?= $(shell $(PYTHON) -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \
+SP24_LDFLAGS ?=
+CUTLASS_DIR ?= $(shell $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \
 	print(os.path.join(os.path.dirname(s.origin), 'source') if s else '')")
 SP24_FLAGS = -std=c++17 -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 	-Xcompiler -fPIC -I$(CUTLASS_DIR)/include -I$(CUTLASS_DIR)/tools/util/include

@@ -49,6 +49,8 @@ def nibble_index(r: Tensor, g: Tensor, k: int, layout: str = "cusparselt", m: in
     """Position in the metadata nibble stream of row r, group g (column // 4) of an [m, k]
     matrix (m only matters to the CUTLASS layouts)."""
     rb, rr = r // 64, r % 64
+    if layout != "cusparselt" and m <= 0:
+        raise ValueError(f"nibble_index: the {layout} layout needs the row count m (its K atoms are m rows apart)")
     if layout != "cusparselt":  # CuTe: ((8,2,4),(16,2,NUM_K)):((32N,16,512N),(1,256N,32)), N = NUM_K
         atom_k = cols_multiple(layout)
         num_k, c = atom_k // 32, g * 4

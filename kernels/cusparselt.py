@@ -184,11 +184,11 @@ def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
     try:
         plan = _Plan(lib, m, k, n, b_transposed, alg, a.device, transpose_result)
         want, got = _torch_mm(a, b, alg, transpose_result), plan.run(a, b)
-        if torch.equal(got, want):
+        if got.shape == want.shape and torch.equal(got, want):
             return plan
-        err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
-        _warn_fallback(f"its product differs from torch's for A [{m}, {k}], B [{k}, {n}], alg {alg}: "
-                       f"relative difference {err:.2e}")
+        how = (f"shape {tuple(got.shape)} against {tuple(want.shape)}" if got.shape != want.shape else
+               f"relative difference {((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item():.2e}")
+        _warn_fallback(f"its product differs from torch's for A [{m}, {k}], B [{k}, {n}], alg {alg}: {how}")
     except Exception as e:  # noqa: BLE001 - any failure to plan means: torch's op for this shape
         _warn_fallback(f"A [{m}, {k}], B [{k}, {n}], alg {alg}: {e}")
     if plan is not None:

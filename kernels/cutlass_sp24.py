@@ -1,13 +1,15 @@
 """CUTLASS 3.x 2:4 GEMMs for Hopper (kernels/csrc/sp24_gemm_sm90.cu), called through ctypes.
 
 `make cutlass` builds build/sp24_cutlass.so on a machine with nvcc (see the README); the path
-can be overridden with SP24_CUTLASS_LIB. Without it, `available()` is False and the FFN uses
-cuSPARSELt (kernels/cusparselt.py).
+can be overridden with SP24_CUTLASS_LIB. Without it, `available()` is False. The FFN does not use
+these GEMMs: on the H200 cuSPARSELt was faster (scripts/bench_sp24_gemm.py, benchmarks/RESULTS.md).
 
-The compressed operand is the buffer the sparsify kernels write (values [M, K/2] row-major, then
-the metadata), with the metadata in a CUTLASS layout ("cutlass_k64" / "cutlass_k128" in
-kernels/cslt_layout.py, matching the tile K of the configuration that reads it).
+The compressed operand is laid out like the sparsify kernels' buffer (values [M, K/2] row-major,
+then the metadata), but with the metadata in a CUTLASS layout ("cutlass_k64" / "cutlass_k128" in
+kernels/cslt_layout.py, matching the tile K of the configuration that reads it), as
+kernels.cslt_layout.compress or `compress` below write it.
 """
+import warnings
 import ctypes
 import os
 from typing import Optional
@@ -45,10 +47,15 @@ def _lib() -> Optional[ctypes.CDLL]:
 
 
 def available(device=None) -> bool:
-    """The library is built and the GPU is a Hopper (sm90)."""
-    if not torch.cuda.is_available():
+    """The library is built and loads, and the GPU is a Hopper (sm90)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    return _lib() is not None and torch.cuda.get_device_capability(device)[0] == 9
+    try:
+        return _lib() is not None
+    except (OSError, RuntimeError) as e:  # unloadable or built from another source version
+        warnings.warn(f"CUTLASS 2:4 library unusable: {e}", RuntimeWarning, stacklevel=2)
+        _LIB[:] = [None]
+        return False
 
 
 _FNS: dict = {}
@@ -79,13 +86,20 @@ _WS: dict = {}
 
 def mm(buf: Tensor, b: Tensor, cfg: int = 0, out_transposed: bool = False) -> Tensor:
     """A @ B for A [M, K] compressed in `buf` (bf16 [M, 9K/16], metadata in cfg's layout) and a bf16
-    B [K, N] (row-major, or the transpose of a row-major [N, K]). out_transposed: the product
-    comes back as the transpose of a row-major [N, M] (what the weight gradient dW2 wants)."""
+    B [K, N] (row-major, or the transpose of a row-major [N, K]). Always returns the [M, N]
+    product; out_transposed: stored column-major, i.e. the [M, N] view of a row-major [N, M]
+    (what the weight gradient dW2 wants). Note the difference from cuSPARSELt's
+    `transpose_result`, which returns the [N, M] tensor itself."""
     k, n = b.shape
     m = buf.shape[0]
     if buf.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or buf.numel() * 16 != m * k * 9:
         raise ValueError(f"cutlass_sp24.mm: needs bf16 A [M, 9K/16] and B [K, N], got {tuple(buf.shape)} "
                          f"{buf.dtype} and {tuple(b.shape)} {b.dtype}")
+    if b.device != buf.device:
+        raise ValueError(f"cutlass_sp24.mm: A on {buf.device}, B on {b.device}")
+    buf = buf.contiguous()  # the metadata pointer is values + M*K bytes
+    if b.data_ptr() % 16:  # TMA needs 16-byte aligned bases
+        b = b.clone(memory_format=torch.contiguous_format)
     if b.is_contiguous():
         major = "n"
     elif b.t().is_contiguous():
@@ -98,11 +112,12 @@ def mm(buf: Tensor, b: Tensor, cfg: int = 0, out_transposed: bool = False) -> Te
     key = (name, m, n, k)
     if key not in _WS:
         _WS[key] = _fn(name + "_workspace")(m, n, k)
-    d = torch.empty((n, m) if out_transposed else (m, n), dtype=torch.bfloat16, device=buf.device)
-    ws = torch.empty(max(_WS[key], 1), dtype=torch.uint8, device=buf.device)
-    stream = torch.cuda.current_stream(buf.device).cuda_stream
-    _check(_fn(name)(buf.data_ptr(), buf.data_ptr() + m * k, b.data_ptr(), d.data_ptr(), m, n, k,
-                     ws.data_ptr(), _WS[key], stream), f"{name} [{m}, {k}] x [{k}, {n}]")
+    with torch.cuda.device(buf.device):
+        d = torch.empty((n, m) if out_transposed else (m, n), dtype=torch.bfloat16, device=buf.device)
+        ws = torch.empty(max(_WS[key], 1), dtype=torch.uint8, device=buf.device)
+        stream = torch.cuda.current_stream(buf.device).cuda_stream
+        _check(_fn(name)(buf.data_ptr(), buf.data_ptr() + m * k, b.data_ptr(), d.data_ptr(), m, n, k,
+                         ws.data_ptr(), _WS[key], stream), f"{name} [{m}, {k}] x [{k}, {n}]")
     return d.t() if out_transposed else d
 
 

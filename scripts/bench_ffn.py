@@ -54,10 +54,10 @@ def check(M: int, K: int, shift: float) -> dict:
     try:
         c2 = torch._cslt_compress(a24)
         out["cslt_shape"] = list(c2.shape)
-        c = c2.reshape(-1)
+        c, flat = c2.reshape(-1), buf.reshape(-1)  # element ranges, not rows of the 2-D buffer
         nv = Mp * K // 2
-        out["values_equal_cslt"] = torch.equal(c[:nv].view(torch.int16), buf[:nv].view(torch.int16))
-        out["meta_equal_cslt"] = c.numel() == buf.numel() and torch.equal(c[nv:].view(torch.int16), buf[nv:].view(torch.int16))
+        out["values_equal_cslt"] = torch.equal(c[:nv].view(torch.int16), flat[:nv].view(torch.int16))
+        out["meta_equal_cslt"] = c.numel() == flat.numel() and torch.equal(c[nv:].view(torch.int16), flat[nv:].view(torch.int16))
         w = torch.randn(1024, K, device="cuda", dtype=BF)
         y = torch._cslt_sparse_mm(buf, w.t())
         out["sparse_mm_rel_err"] = rel_err(y, a24.float() @ w.float().t())

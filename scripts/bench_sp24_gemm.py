@@ -87,11 +87,9 @@ def time_shape(D: int, Fh: int, T: int, cfgs) -> dict:
         b_dense = b.contiguous()
         row = {"dense": bench(lambda: a @ b_dense)}
         cs = torch._cslt_compress(a)
-        if tr:  # cuSPARSELt writes [F, d]; the weight wants [d, F]
-            row["cusparselt"] = bench(lambda: sparse_mm(cs, b).t().contiguous())
-        else:
-            row["cusparselt"] = bench(lambda: sparse_mm(cs, b))
-        ref = sparse_mm(cs, b).float()
+        # dW2: both backends write the weight's [d, F] layout directly (column-major result)
+        row["cusparselt"] = bench(lambda: sparse_mm(cs, b, transpose_result=tr))
+        ref = (sparse_mm(cs, b, transpose_result=True).t() if tr else sparse_mm(cs, b)).float()
         for cfg in cfgs:
             buf = cutlass_sp24.compress(a, cutlass_sp24.TILE_K[cfg])
             err = rel_err(cutlass_sp24.mm(buf, b, cfg, out_transposed=tr), ref)

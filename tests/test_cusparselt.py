@@ -50,7 +50,7 @@ class _FakePlan:
         _FakePlan.destroyed.append(self)
 
 
-@pytest.mark.parametrize("case", ["equal", "differs", "raises"])
+@pytest.mark.parametrize("case", ["equal", "differs", "raises", "wrong orientation"])
 def test_a_plan_is_kept_only_if_its_product_equals_torchs(monkeypatch, fresh_cache, case):
     """The once-per-shape check: a plan whose product differs from torch._cslt_sparse_mm, or that
     fails to build, is dropped (and released) with a warning naming the shape; torch's op is used."""
@@ -58,7 +58,8 @@ def test_a_plan_is_kept_only_if_its_product_equals_torchs(monkeypatch, fresh_cac
     torch_product = torch.randn(64, 32).bfloat16()
     monkeypatch.setattr(torch, "_cslt_sparse_mm", lambda a, b, **kw: torch_product, raising=False)
     monkeypatch.setattr(C, "_library", lambda device: object())
-    product = (lambda a, b: torch_product.clone()) if case == "equal" else (lambda a, b: torch_product + 1)
+    product = {"equal": lambda a, b: torch_product.clone(), "differs": lambda a, b: torch_product + 1,
+               "raises": None, "wrong orientation": lambda a, b: torch_product.t().contiguous()}[case]
     monkeypatch.setattr(C, "_Plan", lambda *args: _FakePlan(*args, product=product, fail=case == "raises"))
     _FakePlan.destroyed.clear()
     key = (0, 64, 64, 32, False, 0, False)
@@ -68,10 +69,10 @@ def test_a_plan_is_kept_only_if_its_product_equals_torchs(monkeypatch, fresh_cac
             assert isinstance(C._new_plan(a, b, key), _FakePlan)
         assert not _FakePlan.destroyed
     else:
-        match = "differs from torch's for A \\[64, 64\\], B \\[64, 32\\]" if case == "differs" else "plan init failed"
+        match = "plan init failed" if case == "raises" else "differs from torch's for A \\[64, 64\\], B \\[64, 32\\]"
         with pytest.warns(RuntimeWarning, match=match):
             assert C._new_plan(a, b, key) is None
-        assert len(_FakePlan.destroyed) == (1 if case == "differs" else 0)
+        assert len(_FakePlan.destroyed) == (0 if case == "raises" else 1)
 
 
 class _NullContext:

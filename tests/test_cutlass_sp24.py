@@ -35,10 +35,32 @@ def test_cutlass_layout_round_trip_and_shape_check(layout):
         compress(a, keep, "cutlass")
 
 
-def test_library_absent_means_not_available(monkeypatch, tmp_path):
-    monkeypatch.setenv("SP24_CUTLASS_LIB", str(tmp_path / "missing.so"))
+@pytest.fixture
+def hopper(monkeypatch):
+    """Pretend to be on an sm90 GPU, so that only the library decides."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(cutlass_sp24, "_LIB", [])
+
+
+def test_library_absent_means_not_available(monkeypatch, tmp_path, hopper):
+    monkeypatch.setenv("SP24_CUTLASS_LIB", str(tmp_path / "missing.so"))
     assert not cutlass_sp24.available()
+    assert cutlass_sp24._LIB == [None]  # looked for once, remembered
+
+
+def test_unloadable_library_warns_and_is_not_available(monkeypatch, tmp_path, hopper):
+    bogus = tmp_path / "sp24_cutlass.so"
+    bogus.write_text("not a shared object")
+    monkeypatch.setenv("SP24_CUTLASS_LIB", str(bogus))
+    with pytest.warns(RuntimeWarning, match="CUTLASS 2:4 library unusable"):
+        assert not cutlass_sp24.available()
+    assert not cutlass_sp24.available()  # remembered, no second attempt
+
+
+def test_cutlass_layouts_need_the_row_count():
+    with pytest.raises(ValueError, match="needs the row count"):
+        nibble_index(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 128, "cutlass_k64")
 
 
 needs_library = pytest.mark.skipif(not cutlass_sp24.available(), reason="needs `make cutlass` and a Hopper GPU")

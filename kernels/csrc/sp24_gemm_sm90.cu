@@ -4,7 +4,8 @@
 //   D [M, N] (bf16) = A [M, K] (2:4 along K, compressed) @ B [K, N] (bf16), fp32 accumulation
 //
 // A is passed compressed: its kept values row-major [M, K/2] and CUTLASS's metadata E
-// (SparseConfig::fill_layoutE, written by kernels/sparsify24*.py in the "cutlass" layout).
+// (SparseConfig::fill_layoutE; kernels/cslt_layout.py "cutlass_k64/128" is its PyTorch
+// reference; the FFN's Triton kernels write cuSPARSELt's layout, not this one).
 // B comes row-major [K, N] ("n" major) or as the transpose of a row-major [N, K] ("k" major);
 // D row-major [M, N] or column-major (the transpose of a row-major [N, M]: the weight
 // gradient dW2 comes out in the layout the weight has).
@@ -87,6 +88,7 @@ struct Sp24Gemm {
   }
 
   static int sm_count() {  // once per process: the adapter would query it on every call
+    // (device 0's count: every GPU of a host is the same model on the machines this serves)
     static int count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
     return count;
   }
@@ -107,7 +109,7 @@ struct Sp24Gemm {
   }
 };
 
-// The tile configurations; bench_ffn's --parts gemm_backends times them all at the FFN's shapes.
+// The tile configurations; scripts/bench_sp24_gemm.py times them all at the FFN's shapes.
 #if SP24_CFG == 0
 using CfgTile = Shape<_128, _128, _128>; using CfgCluster = Shape<_1, _2, _1>; using CfgSched = Coop;
 #elif SP24_CFG == 1
