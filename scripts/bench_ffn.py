@@ -42,7 +42,8 @@ def rel_err(a, b) -> float:
 
 
 def check(M: int, K: int, shift: float) -> dict:
-    """Fused kernel == reference bit for bit; layout == _cslt_compress; the sparse product is right."""
+    """Fused kernel == reference bit for bit; our layout decodes _cslt_compress's buffer; the sparse
+    product is right."""
     z = torch.randn(M, K, device="cuda", dtype=BF) - shift  # shift: sparser activations, zero groups
     buf, counts = srelu_sparsify24(z)
     ref, ref_counts = srelu_sparsify24_reference(z)
@@ -54,10 +55,9 @@ def check(M: int, K: int, shift: float) -> dict:
     try:
         c2 = torch._cslt_compress(a24)
         out["cslt_shape"] = list(c2.shape)
-        c, flat = c2.reshape(-1), buf.reshape(-1)  # element ranges, not rows of the 2-D buffer
-        nv = Mp * K // 2
-        out["values_equal_cslt"] = torch.equal(c[:nv].view(torch.int16), flat[:nv].view(torch.int16))
-        out["meta_equal_cslt"] = c.numel() == flat.numel() and torch.equal(c[nv:].view(torch.int16), flat[nv:].view(torch.int16))
+        # cuSPARSELt may name other positions for groups with fewer than 2 non-zeros, so its bytes
+        # can differ from ours; our layout formula must still decode its buffer to A24 exactly
+        out["cslt_buffer_decodes_to_a24"] = c2.numel() == buf.numel() and torch.equal(decompress(c2, Mp, K), a24)
         w = torch.randn(1024, K, device="cuda", dtype=BF)
         y = torch._cslt_sparse_mm(buf, w.t())
         out["sparse_mm_rel_err"] = rel_err(y, a24.float() @ w.float().t())
