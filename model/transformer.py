@@ -221,9 +221,15 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, (cache.k[i], cache.v[i]), start_pos)
-        logits = self.output(self.norm(h))
         if targets is None:
-            return logits
+            return self.output(self.norm(h))
+        return self.loss(h, targets)
+
+    def loss(self, h: Tensor, targets: Tensor) -> Tensor:
+        """Final norm, output projection and mean cross-entropy (fp32 softmax). One method so that
+        trainer.compile can compile it whole: then the fp32 logits [tokens, vocab] are never
+        written out."""
+        logits = self.output(self.norm(h))
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

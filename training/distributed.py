@@ -155,7 +155,7 @@ def exit_process(code) -> None:
 def build_model(make, t: TrainerConfig, d: Dist, seed: int, bf16_params: bool) -> tuple[nn.Module, nn.Module]:
     """Build on the meta device, then transform in this order (torchtitan's):
     1. activation checkpointing (trainer.activation_checkpointing),
-    2. torch.compile of each block (trainer.compile),
+    2. torch.compile of each block and of the loss head (trainer.compile),
     3. sharding: fully_shard of each block, then of the root (fsdp),
     4. materialise: to_empty on the device, then the model's own reset_parameters from `seed`
        (whole tensors from the CPU RNG: the same weights for any strategy and world size),
@@ -168,6 +168,7 @@ def build_model(make, t: TrainerConfig, d: Dist, seed: int, bf16_params: bool) -
     if t.compile:
         for block in model.layers:
             block.compile()  # in place: parameter names stay as they are (no _orig_mod.)
+        model.loss = torch.compile(model.loss)  # norm + output + cross-entropy fused, on the instance
     if t.strategy == Strategy.fsdp:
         shard(model, d, bf16_params)
     model.to_empty(device=d.device)
