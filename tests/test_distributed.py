@@ -154,6 +154,14 @@ def two(request, tmp_path_factory, corpus, cache):
 
 # ---------------------------------------------------------------- 2 processes against 1
 
+def test_fsdp2_with_compiled_blocks_and_loss_head(tmp_path):
+    """trainer.compile under FSDP2: compiled blocks and loss head give the eager model's loss,
+    with no recompiles from FSDP2's parameter swapping (tests/fsdp_compiled_model.py)."""
+    out = wait(start_torchrun([], tmp_path / "log", script=ROOT / "tests" / "fsdp_compiled_model.py"), tmp_path / "log")
+    assert "rank 0: 4 passes equal to eager, 0 recompiles" in out
+    assert "rank 1: 4 passes equal to eager, 0 recompiles" in out
+
+
 def test_two_processes_match_one_with_the_same_global_batch(two, single):
     mine, ref = losses(two["straight"]), losses(single)
     assert [s for s, *_ in mine] == list(range(1, STEPS + 1))

@@ -62,7 +62,7 @@ class TrainerConfig:
     resume: str = "none"         # none | auto (the latest valid checkpoint in the run dir) | a checkpoint dir
     device: str = "auto"         # auto | cpu | cuda | cuda:N
     precision: str = "auto"      # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
-    compile: bool = False        # torch.compile per block
+    compile: bool = False        # torch.compile per block and of the loss head
     strategy: Strategy = Strategy.none  # none | ddp | fsdp (docs/DISTRIBUTED.md)
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none  # none | selective | full
     dist_timeout_s: int = 1800   # a collective that waits longer than this ends the run (a lost rank)
