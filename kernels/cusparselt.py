@@ -167,7 +167,8 @@ def _library(device) -> Optional[_Lib]:
     return _LIB[idx]
 
 
-def _torch_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) -> Tensor:
+def torch_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) -> Tensor:
+    """torch._cslt_sparse_mm with algorithm `alg` (0: the default) and torch's transpose_result."""
     kw = {"alg_id": alg} if alg else {}
     if transpose_result:
         kw["transpose_result"] = True
@@ -183,7 +184,7 @@ def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
     plan = None
     try:
         plan = _Plan(lib, m, k, n, b_transposed, alg, a.device, transpose_result)
-        want, got = _torch_mm(a, b, alg, transpose_result), plan.run(a, b)
+        want, got = torch_mm(a, b, alg, transpose_result), plan.run(a, b)
         if got.shape == want.shape and torch.equal(got, want):
             return plan
         how = (f"shape {tuple(got.shape)} against {tuple(want.shape)}" if got.shape != want.shape else
@@ -208,7 +209,7 @@ def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) ->
     idx = a.get_device()
     if (a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or not a.is_contiguous() or a.numel() * 16 != m * k * 9
             or a.data_ptr() % 16 or b.data_ptr() % 16 or b.get_device() != idx or idx != torch.cuda.current_device()):
-        return _torch_mm(a, b, alg, transpose_result)  # not what the plans are built for: torch's op checks
+        return torch_mm(a, b, alg, transpose_result)  # not what the plans are built for: torch's op checks
     key = (idx, m, k, n, b_transposed, alg, transpose_result)
     plan = _PLANS.get(key, False)
     if plan is False:
@@ -216,4 +217,4 @@ def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) ->
             if key not in _PLANS:
                 _PLANS[key] = _new_plan(a, b, key)
             plan = _PLANS[key]
-    return _torch_mm(a, b, alg, transpose_result) if plan is None else plan.run(a, b)
+    return torch_mm(a, b, alg, transpose_result) if plan is None else plan.run(a, b)

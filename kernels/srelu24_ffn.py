@@ -25,7 +25,7 @@ from torch import Tensor
 from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_order
 from model.stats import N_SUMS, sparse24_sums_from_counts
 
-from .cusparselt import cached_mm
+from .cusparselt import cached_mm, torch_mm
 from .sparsify24 import srelu_sparsify24
 from .sparsify24_backward import backward_operands, padded_tokens, write_dense_features
 
@@ -54,8 +54,7 @@ def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
         _ALG[key] = 0
         try:
             alg = torch._C._cusparselt.mm_search(a, b, None, None, None, transpose_result)[0]
-            kw = {"transpose_result": True} if transpose_result else {}
-            ref, got = torch._cslt_sparse_mm(a, b, **kw), torch._cslt_sparse_mm(a, b, alg_id=alg, **kw)
+            ref, got = torch_mm(a, b, 0, transpose_result), torch_mm(a, b, alg, transpose_result)
             if ((got.float() - ref.float()).norm() <= 1e-3 * ref.float().norm()).item():
                 _ALG[key] = alg
         except (AttributeError, RuntimeError, TypeError):
@@ -63,8 +62,7 @@ def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
     alg = _ALG[key]
     if a.is_cuda:  # plans cached: torch's op re-plans every call (~0.8 ms of host time)
         return cached_mm(a, b, alg, transpose_result)
-    kw = ({"alg_id": alg} if alg else {}) | ({"transpose_result": True} if transpose_result else {})
-    return torch._cslt_sparse_mm(a, b, **kw)
+    return torch_mm(a, b, alg, transpose_result)
 
 
 def _check_bf16(op: str, **tensors: Tensor) -> None:

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (EXPERIMENTS, ROOT, compose_config, prepare_shared_cache, run_train, tiny_overrides, with_cache,
-                     write_corpus)
+from helpers import EXPERIMENTS, ROOT, compose_config, run_train, tiny_overrides, with_cache
 
 pytestmark = pytest.mark.slow
 
@@ -93,16 +92,6 @@ def torchrun(args: list[str], log: Path) -> str:
 
 
 # ---------------------------------------------------------------- runs shared by the tests
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory, corpus):
-    return prepare_shared_cache(tmp_path_factory, corpus)
-
 
 def overrides(tmp: Path, corpus: Path, cache: Path, extra=()) -> list[str]:
     """tiny_overrides: global batch 8 = 2 micro-batches of 4 in one process, 1 per rank in two."""

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, compose_config, prepare_shared_cache, run_train, tiny_overrides, with_cache, write_corpus
+from helpers import ROOT, compose_config, run_train, tiny_overrides, with_cache
 
 pytestmark = pytest.mark.slow
 
@@ -92,16 +92,6 @@ def listing(d: Path) -> frozenset:
         return frozenset(os.listdir(d))
     except FileNotFoundError:
         return frozenset()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory, corpus):
-    return prepare_shared_cache(tmp_path_factory, corpus)
 
 
 def overrides(tmp: Path, corpus: Path, cache: Path, extra=()) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_train, tiny_overrides, write_corpus
+from helpers import run_train, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +24,6 @@ def final_weights(run_dir: Path) -> dict:
 
 def files(d: Path) -> dict:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

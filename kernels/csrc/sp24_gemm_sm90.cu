@@ -50,6 +50,17 @@ constexpr int kAlign = 8;  // 16 bytes of bf16: TMA's alignment
 // status codes returned to Python (kernels/cutlass_sp24.py names them)
 enum : int { kOk = 0, kCannotImplement = 1, kWorkspaceTooSmall = 2, kInitFailed = 3, kRunFailed = 4, kNotBuilt = 5 };
 
+// Check, initialise and enqueue a CUTLASS device operator (the GEMMs and the compressor alike).
+template <class Op>
+int launch(typename Op::Arguments const& args, void* ws, size_t ws_bytes, cudaStream_t stream) {
+  Op op;
+  if (op.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
+  if (Op::get_workspace_size(args) > ws_bytes) return kWorkspaceTooSmall;
+  if (op.initialize(args, ws, stream) != cutlass::Status::kSuccess) return kInitFailed;
+  if (op.run(stream) != cutlass::Status::kSuccess) return kRunFailed;
+  return cudaGetLastError() == cudaSuccess ? kOk : kRunFailed;
+}
+
 template <class TileShape, class ClusterShape, class Schedule, class LayoutB, class LayoutD>
 struct Sp24Gemm {
   using EpilogueSchedule = cute::conditional_t<cute::is_same_v<Schedule, Pingpong>,
@@ -99,13 +110,7 @@ struct Sp24Gemm {
 
   static int run(const void* a, const void* e, const void* b, void* d, int M, int N, int K,
                  void* ws, size_t ws_bytes, cudaStream_t stream) {
-    auto args = arguments(a, e, b, d, M, N, K);
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
-    if (Gemm::get_workspace_size(args) > ws_bytes) return kWorkspaceTooSmall;
-    if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess) return kInitFailed;
-    if (gemm.run(stream) != cutlass::Status::kSuccess) return kRunFailed;
-    return cudaGetLastError() == cudaSuccess ? kOk : kRunFailed;
+    return launch<Gemm>(arguments(a, e, b, d, M, N, K), ws, ws_bytes, stream);
   }
 };
 
@@ -161,13 +166,7 @@ struct Compress {
     auto stride_a = cutlass::make_cute_packed_stride(cutlass::gemm::TagToStrideA_t<RowMajor>{}, make_shape(M, K, 1));
     cutlass::KernelHardwareInfo hw;
     hw.sm_count = G::sm_count();
-    typename Op::Arguments args{problem, {a_dense, stride_a, a_comp, e}, hw};
-    Op op;
-    if (op.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
-    if (Op::get_workspace_size(args) > ws_bytes) return kWorkspaceTooSmall;
-    if (op.initialize(args, ws, stream) != cutlass::Status::kSuccess) return kInitFailed;
-    if (op.run(stream) != cutlass::Status::kSuccess) return kRunFailed;
-    return cudaGetLastError() == cudaSuccess ? kOk : kRunFailed;
+    return launch<Op>(typename Op::Arguments{problem, {a_dense, stride_a, a_comp, e}, hw}, ws, ws_bytes, stream);
   }
 };
 }  // namespace
