@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_TIME := $(shell date +%Y-%m-%d_%H-%M-%S)
 DEMO_DIR ?= runs/demo/$(DEMO_TIME)
 
-.PHONY: venv demo test clean-venv cutlass
+.PHONY: venv demo test clean-venv cutlass kernels
 
 venv: $(VENV)/.installed
 
@@ -36,12 +36,23 @@ test: venv
 clean-venv:
 	rm -rf $(VENV)
 
+# make kernels: the CUDA C++ sparsify kernel of the srelu24 backward (kernels/csrc/sp24_backward.cu) as
+# build/sp24_kernels.so, which kernels/sparsify24_backward.py prefers to its Triton kernel. Needs nvcc
+# >= 12.0 (sm80 and sm90 code; a few seconds). Without it the Triton kernel runs.
+NVCC ?= nvcc
+KERNELS_FLAGS = -std=c++17 -O3 -Xcompiler -fPIC -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+
+kernels: build/sp24_kernels.so
+
+build/sp24_kernels.so: kernels/csrc/sp24_backward.cu
+	@mkdir -p build
+	$(NVCC) $(KERNELS_FLAGS) -shared $(SP24_LDFLAGS) $< -o $@
+
 # make cutlass: the CUTLASS 2:4 GEMMs for Hopper (kernels/csrc/sp24_gemm_sm90.cu) as one shared library
 # that kernels/cutlass_sp24.py loads. Needs nvcc >= 12.3 and the CUTLASS headers of the nvidia-cutlass
 # wheel (pip install nvidia-cutlass==4.2.0.0; no network needed once it is installed), found through the
 # .venv's python if there is one. Build in parallel: make -j5 cutlass (one job per configuration, about
 # a minute each). SP24_LDFLAGS: extra link flags, e.g. -L<CUDA lib dir> where nvcc does not find cudart.
-NVCC ?= nvcc
 SP24_CFGS := 0 1 2 3 4
 SP24_LDFLAGS ?=
 CUTLASS_DIR ?= $(shell $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \

@@ -9,13 +9,12 @@ then the metadata), but with the metadata in a CUTLASS layout ("cutlass_k64" / "
 kernels/cslt_layout.py, matching the tile K of the configuration that reads it), as
 kernels.cslt_layout.compress or `compress` below write it.
 """
-import warnings
 import ctypes
-import os
-from typing import Optional
 
 import torch
 from torch import Tensor
+
+from .native import NativeLibrary
 
 _STATUS = {1: "cannot implement (shape or alignment)", 2: "workspace too small", 3: "initialize failed",
            4: "launch failed", 5: "not built for this GPU"}
@@ -26,36 +25,15 @@ CONFIGS = {0: "128x128x128 c1x2 coop", 1: "128x256x64 c1x2 coop", 2: "256x128x64
 TILE_K = {0: 128, 1: 64, 2: 64, 3: 128, 4: 64}
 
 
-def library_path() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.environ.get("SP24_CUTLASS_LIB", os.path.join(root, "build", "sp24_cutlass.so"))
-
-
-_LIB: list = []  # [ctypes library or None], loaded once
-
-
-def _lib() -> Optional[ctypes.CDLL]:
-    if not _LIB:
-        lib = None
-        path = library_path()
-        if os.path.exists(path):
-            lib = ctypes.CDLL(path)
-            if lib.sp24_abi_version() != ABI_VERSION:
-                raise RuntimeError(f"{path} was built from another version of sp24_gemm_sm90.cu: run make cutlass")
-        _LIB.append(lib)
-    return _LIB[0]
+_LIB = NativeLibrary("sp24_cutlass.so", "SP24_CUTLASS_LIB", "sp24_abi_version", ABI_VERSION, "CUTLASS 2:4",
+                     "make cutlass")
+library_path = _LIB.path
+_lib = _LIB.get
 
 
 def available(device=None) -> bool:
     """The library is built and loads, and the GPU is a Hopper (sm90)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 9:
-        return False
-    try:
-        return _lib() is not None
-    except (OSError, RuntimeError) as e:  # unloadable or built from another source version
-        warnings.warn(f"CUTLASS 2:4 library unusable: {e}", RuntimeWarning, stacklevel=2)
-        _LIB[:] = [None]
-        return False
+    return _LIB.available(device, (9,))
 
 
 _FNS: dict = {}

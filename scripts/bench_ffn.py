@@ -24,7 +24,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.cslt_layout import decompress  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_bwd, srelu24_ffn_fwd, srelu24_ffn_kernels  # noqa: E402
-from kernels.sparsify24_backward import backward_operands, write_dense_features  # noqa: E402
+from kernels.sparsify24_backward import backward_operands, cuda_usable, write_dense_features  # noqa: E402
 from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
@@ -152,7 +152,8 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
         "fw: fused srelu+2:4+compress": lambda: srelu_sparsify24(z),
         "fw: Y = A24 W2^T (sparse)": lambda: sparse_mm(buf, w2.t()),
         "bw: dA = dY W2 (dense)": lambda: dy @ w2,
-        "bw: dZ, S(A24)^T, S(dZ)^T in one pass (fused)": lambda: backward_operands(z, da, perm, dense),
+        f"bw: dZ, S(A24)^T, S(dZ)^T in one pass ({'CUDA' if cuda_usable(z, da) else 'Triton'})":
+            lambda: backward_operands(z, da, perm, dense),
         "bw: dX = dZ W1 (sparse)": lambda: sparse_mm(dzb, w1),
         "bw: dX rows back to token order": lambda: dx_p.index_select(0, inverse),
         "bw: permute dY and X": lambda: (dy[perm], x[perm]),
@@ -164,6 +165,27 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
         "bw: permutation, its inverse, feature sort": orders,
     }
     return {k: bench(fn) for k, fn in parts.items()}
+
+
+def backward_kernels(D: int, Fh: int, T: int) -> dict:
+    """The backward's one-pass kernel, Triton against CUDA C++ (when built): equal output bytes,
+    and the time of each beside a bf16 copy of Z and of the pair (Z, dA) it reads."""
+    torch.manual_seed(T + Fh)
+    x = torch.randn(T, D, device="cuda", dtype=BF)
+    z = F.linear(x, torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5)
+    da = torch.randn(T, D, device="cuda", dtype=BF) @ (torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5)
+    perm = random_token_order(T, "cuda")
+    dense = densest_from_counts(srelu_sparsify24(z)[1], RECIPE.dense_feature_fraction)
+    out = {"copy_z_ms": bench(lambda: z.clone()), "triton_ms": bench(lambda: backward_operands(z, da, perm, dense,
+                                                                                                backend="triton"))}
+    if cuda_usable(z, da):
+        flat = lambda r: [r[0].view(torch.int16)] + [t.view(torch.int16) for p in r[1:] for t in p]  # noqa: E731
+        got, want = flat(backward_operands(z, da, perm, dense, backend="cuda")), flat(
+            backward_operands(z, da, perm, dense, backend="triton"))
+        out["cuda_equals_triton"] = all(torch.equal(a, b) for a, b in zip(got, want))
+        out["cuda_ms"] = bench(lambda: backward_operands(z, da, perm, dense, backend="cuda"))
+        out["cuda_speedup"] = out["triton_ms"] / out["cuda_ms"]
+    return out
 
 
 def host_ms(fn, n: int = 50) -> float:
@@ -362,11 +384,13 @@ def main() -> int:
             torch.cuda.empty_cache()
     shapes_bd = {"7B, T=16384": (4096, 16384, 16384), "1B, T=16384": (2048, 8192, 16384), "1B, T=4096": (2048, 8192, 4096)}
     bd = {k: breakdown(*v) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
+    bk = {k: backward_kernels(*v) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
     overhead = {k: host_and_gpu(*v) for k, v in shapes_bd.items()} if "overhead" in parts_wanted else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
                                     "environment": environment(), "checks": checks, "forward": rows,
                                     "fwbw": fb, "backward_derived": derived_backward(rows, fb), "breakdown": bd,
+                                    "backward_kernels": bk,
                                     "overhead": overhead}, indent=2))
     if bd:
         print(f"wrote {plot_breakdown(args.out)}")
@@ -397,6 +421,13 @@ def main() -> int:
         for k, v in parts.items():
             print(f"| {k} | {v:.3f} |")
         print(f"| sum of the pieces above | {sum(parts.values()):.3f} |")
+    if bk:
+        print("\nthe backward's one-pass kernel (ms): Triton against CUDA C++ (make kernels)")
+        print("| shape | copy of Z | Triton | CUDA | CUDA speed-up | CUDA == Triton |")
+        print("|---|---|---|---|---|---|")
+        for name, o in bk.items():
+            print(f"| {name} | {o['copy_z_ms']:.3f} | {o['triton_ms']:.3f} | {o.get('cuda_ms', float('nan')):.3f} "
+                  f"| {o.get('cuda_speedup', float('nan')):.2f}x | {o.get('cuda_equals_triton', 'not built')} |")
     for name, o in overhead.items():
         print(f"\nhost and GPU at {name}: " + json.dumps(o))
     return 0

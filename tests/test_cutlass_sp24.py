@@ -40,13 +40,13 @@ def hopper(monkeypatch):
     """Pretend to be on an sm90 GPU, so that only the library decides."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(cutlass_sp24, "_LIB", [])
+    monkeypatch.setattr(cutlass_sp24._LIB, "loaded", [])
 
 
 def test_library_absent_means_not_available(monkeypatch, tmp_path, hopper):
     monkeypatch.setenv("SP24_CUTLASS_LIB", str(tmp_path / "missing.so"))
     assert not cutlass_sp24.available()
-    assert cutlass_sp24._LIB == [None]  # looked for once, remembered
+    assert cutlass_sp24._LIB.loaded == [None]  # looked for once, remembered
 
 
 def test_unloadable_library_warns_and_is_not_available(monkeypatch, tmp_path, hopper):

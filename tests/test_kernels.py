@@ -308,19 +308,61 @@ def test_srelu24_module_compiled_by_inductor_on_cuda():
     assert not m.stats.requires_grad
 
 
+def _cuda_kernel_built() -> bool:
+    from kernels.native import KERNELS
+    return torch.cuda.is_available() and KERNELS.available(None, (8, 9))
+
+
 @pytest.mark.gpu
-def test_backward_operands_on_cuda_equal_reference():
-    """The one-pass backward kernel compiled for the GPU, bit for bit against the reference."""
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _cuda_kernel_built(), reason="needs `make kernels` (build/sp24_kernels.so) and an sm80/sm90 GPU"))])
+@pytest.mark.parametrize("t,f,n_dense,permuted", [(4000, 1024, 3, True), (100, 128, 0, False), (80, 192, 5, True),
+                                                  (4096, 2048, 100, True), (1000, 64, 64, True), (33, 256, 1, True)])
+def test_backward_operands_on_cuda_equal_reference(backend, t, f, n_dense, permuted):
+    """The one-pass backward kernels on the GPU (Triton, and the CUDA C++ one when built), bit for
+    bit against the reference, on fresh random inputs: token counts off the 32/64 tiles, no, some
+    and all features dense, with and without the permutation."""
     from kernels.sparsify24_backward import backward_operands, backward_operands_reference
 
-    z, da = random_z(4000, 1024, seed=1, device="cuda"), random_z(4000, 1024, seed=2, device="cuda")
-    perm = torch.randperm(4000, device="cuda")
-    dense = torch.tensor([0, 17, 1000], device="cuda")
-    got = backward_operands(z, da, perm, dense)
+    z, da = random_z(t, f, seed=t + f, device="cuda"), random_z(t, f, seed=t * f, device="cuda").flip(0).contiguous()
+    z[t // 2:, f // 2:] = -z[t // 2:, f // 2:]
+    perm = torch.randperm(t, device="cuda") if permuted else None
+    dense = torch.randperm(f, device="cuda")[:n_dense] if n_dense else None
+    got = backward_operands(z, da, perm, dense, backend=backend)
     want = backward_operands_reference(z, da, perm, dense)
     assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
         assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` and an sm80/sm90 GPU")
+def test_backward_operands_cuda_kernel_reads_strided_rows():
+    """Z and dA as row slices of wider buffers (row strides that are not the feature count)."""
+    from kernels.sparsify24_backward import backward_operands, backward_operands_reference
+
+    wide = random_z(500, 384, seed=9, device="cuda")
+    z, da = wide[:, :256], random_z(500, 320, seed=10, device="cuda")[:, 64:]
+    perm = torch.randperm(500, device="cuda")
+    dense = torch.tensor([7, 100], device="cuda")
+    got = backward_operands(z, da, perm, dense, backend="cuda")
+    want = backward_operands_reference(z, da, perm, dense)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
+        assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
+
+
+def test_backward_operands_backend_errors_name_the_choices(monkeypatch, tmp_path):
+    from kernels.native import KERNELS
+    from kernels.sparsify24_backward import backward_operands
+
+    z = random_z(32, 64, seed=1)
+    with pytest.raises(ValueError, match="one of auto, triton, cuda"):
+        backward_operands(z, z, None, None, backend="cutlass")
+    monkeypatch.setenv("SP24_KERNELS_LIB", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(KERNELS, "loaded", [])
+    with pytest.raises(ValueError, match="make kernels"):
+        backward_operands(z, z, None, None, backend="cuda")  # a CPU tensor, and no library
 
 
 @pytest.mark.parametrize("k,d,f", [(0, 64, 96), (5, 64, 96), (40, 200, 320)])
