@@ -36,7 +36,7 @@ test: venv
 clean-venv:
 	rm -rf $(VENV)
 
-# make kernels: the CUDA C++ sparsify kernel of the srelu24 backward (kernels/csrc/sp24_backward.cu) as
+# make kernels: the CUDA C++ sparsify kernel of the srelu24 backward (kernels/csrc/sp24_sparsify.cu) as
 # build/sp24_kernels.so, which kernels/sparsify24_backward.py prefers to its Triton kernel. Needs nvcc
 # >= 12.0 (sm80 and sm90 code; a few seconds). Without it the Triton kernel runs.
 NVCC ?= nvcc
@@ -44,7 +44,7 @@ KERNELS_FLAGS = -std=c++17 -O3 -Xcompiler -fPIC -gencode arch=compute_80,code=sm
 
 kernels: build/sp24_kernels.so
 
-build/sp24_kernels.so: kernels/csrc/sp24_backward.cu
+build/sp24_kernels.so: kernels/csrc/sp24_sparsify.cu
 	@mkdir -p build
 	$(NVCC) $(KERNELS_FLAGS) -shared $(SP24_LDFLAGS) $< -o $@
 

@@ -1,8 +1,8 @@
 """The shared libraries built from kernels/csrc by make, loaded once through ctypes.
 
 Two of them, both optional (GPU machines with nvcc; the README says how to build them):
-- KERNELS, build/sp24_kernels.so (`make kernels`, kernels/csrc/sp24_backward.cu): the CUDA C++
-  version of the backward's one-pass sparsify kernel, which the FFN prefers to the Triton one;
+- KERNELS, build/sp24_kernels.so (`make kernels`, kernels/csrc/sp24_sparsify.cu): CUDA C++
+  versions of the forward's and the backward's sparsify kernels, preferred to the Triton ones;
 - build/sp24_cutlass.so (`make cutlass`): the CUTLASS 2:4 GEMMs of kernels/cutlass_sp24.py.
 Without a library its users fall back (Triton kernel) or report it unavailable.
 """
@@ -49,5 +49,32 @@ class NativeLibrary:
             return False
 
 
-KERNELS = NativeLibrary("sp24_kernels.so", "SP24_KERNELS_LIB", "sp24_kernels_abi_version", 1,
+KERNELS = NativeLibrary("sp24_kernels.so", "SP24_KERNELS_LIB", "sp24_kernels_abi_version", 2,
                         "CUDA sparsify kernels", "make kernels")
+
+
+def kernels_usable(*tensors: torch.Tensor) -> bool:
+    """KERNELS is built and loads, and the 2-D tensors are on an sm80/sm90 GPU with 16-byte aligned rows."""
+    return (tensors[0].is_cuda and KERNELS.available(tensors[0].device, (8, 9))
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and t.stride(1) == 1 for t in tensors))
+
+
+_FUNCTIONS: dict = {}
+
+
+def kernels_function(name: str, argtypes: list):
+    """KERNELS' exported function `name` returning int, with its ctypes argument types (set once)."""
+    if name not in _FUNCTIONS:
+        fn = getattr(KERNELS.get(), name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _FUNCTIONS[name] = fn
+    return _FUNCTIONS[name]
+
+
+def launch(name: str, argtypes: list, *args, device) -> None:
+    """Call KERNELS' launcher `name` on the current stream of `device`; a non-zero status (a CUDA
+    error at launch) raises."""
+    with torch.cuda.device(device):
+        status = kernels_function(name, argtypes)(*args, torch.cuda.current_stream().cuda_stream)
+    if status:
+        raise RuntimeError(f"{name}: CUDA error {status} at launch")

@@ -10,6 +10,7 @@ for rows 16c + 8b + a, m = group % 4) packs the nibbles of rows (b = 0, 1) and g
 (h = 0, 1; group = 4h + m) at bits 4 (b + 2h). So the kernel loads the tile as two
 [32 rows, 32 columns] blocks (b = 0, 1) and ORs their nibbles into one [32, 4] block of words.
 """
+import ctypes
 from typing import Optional
 
 import torch
@@ -21,6 +22,7 @@ from torch import Tensor
 from model.sparse24 import mask_2to4
 
 from .cslt_layout import compress, compressed_numel
+from .native import kernels_usable, launch
 
 
 def padded_rows(m: int) -> int:
@@ -138,11 +140,25 @@ def _srelu_sparsify24_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, totals_ptr, M
         tl.atomic_add(totals_ptr + 2, tl.sum(dropped_sq).to(tl.float64))
 
 
+BACKENDS = ("auto", "triton", "cuda")
+_CUDA_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+
+
+def cuda_usable(z: Tensor, counts: bool = True, totals: Optional[Tensor] = None) -> bool:
+    """The CUDA kernel (kernels/csrc/sp24_sparsify.cu, `make kernels`) can run this call: built, an
+    sm80/sm90 GPU, 16-byte aligned rows, features a multiple of 64, with the counts and without
+    the statistics totals (logged steps run the Triton kernel)."""
+    return counts and totals is None and z.shape[1] % 64 == 0 and kernels_usable(z)
+
+
 def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: int = 4,
-                     totals: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                     totals: Optional[Tensor] = None, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """Fused kernel version of srelu_sparsify24_reference (z: [M, K] bf16, K % 32 == 0).
     With `totals` (float64 [3]): adds [non-zeros, sum a^2, dropped sum a^2] of a = relu(Z)^2,
-    see activation_totals_reference."""
+    see activation_totals_reference. backend: "cuda", "triton", or "auto": cuda where
+    `cuda_usable`, else triton (bands and num_warps are the Triton launch's)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"srelu_sparsify24: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     M, K = z.shape
     if K % 32:
         raise ValueError(f"srelu_sparsify24 needs the feature count to be a multiple of 32, got {K}")
@@ -150,16 +166,26 @@ def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: 
         raise ValueError("srelu_sparsify24 needs a row-major bf16 input")
     if padded_rows(M) * max(K, z.stride(0)) >= 2**31:
         raise ValueError(f"srelu_sparsify24 indexes with int32: [{M}, {K}] is too large")
-    Mp = padded_rows(M)
-    buf = torch.empty(compressed_numel(Mp, K), dtype=torch.bfloat16, device=z.device)
-    nnz = torch.zeros(K, dtype=torch.int32, device=z.device)
-    n_bands = Mp // 64
-    bands = next(b for b in (bands, 8, 4, 2, 1) if n_bands % b == 0)
-    grid = (K // 32, n_bands // bands)
     if totals is not None and not counts:
         raise ValueError("srelu_sparsify24: totals need the counts (counts=True): the statistics use both")
     if totals is not None and (totals.shape != (3,) or totals.dtype != torch.float64):
         raise ValueError("srelu_sparsify24: totals must be a float64 [3] tensor")
+    use_cuda = backend == "cuda" or (backend == "auto" and cuda_usable(z, counts, totals))
+    if backend == "cuda" and not cuda_usable(z, counts, totals):
+        raise ValueError("srelu_sparsify24: backend 'cuda' needs build/sp24_kernels.so (make kernels), an sm80/sm90 "
+                         "GPU, 16-byte aligned rows, K % 64 == 0, counts=True and no totals; backend 'triton' runs anywhere")
+    Mp = padded_rows(M)
+    buf = torch.empty(compressed_numel(Mp, K), dtype=torch.bfloat16, device=z.device)
+    nnz = torch.zeros(K, dtype=torch.int32, device=z.device)
+    n_bands = Mp // 64
+    if use_cuda:
+        # 64-row bands per block: as many as keep >= 4096 blocks (the counts' atomics amortised)
+        per_block = next((b for b in (8, 4, 2) if -(-n_bands // b) * (K // 64) >= 4096), 1)
+        launch("sp24_srelu_sparsify", _CUDA_ARGS, z.data_ptr(), buf.data_ptr(), buf.data_ptr() + Mp * K, nnz.data_ptr(),
+               M, Mp, K, z.stride(0), per_block, device=z.device)
+        return buf.view(Mp, -1), nnz
+    bands = next(b for b in (bands, 8, 4, 2, 1) if n_bands % b == 0)
+    grid = (K // 32, n_bands // bands)
     _srelu_sparsify24_kernel[grid](z, buf, buf[Mp * K // 2:].view(torch.int16), nnz,
                                    totals if totals is not None else nnz, M, K, z.stride(0), BANDS=bands,
                                    COUNTS=counts, TOTALS=totals is not None, num_warps=num_warps)

@@ -14,7 +14,7 @@ the forward mask along features, writes the dZ operand from the tile
 as it is, transposes the tile in registers and writes both token-dimension operands.
 Reference: `backward_operands_reference`, which the kernel must match bit for bit.
 
-A CUDA C++ version of the same pass (kernels/csrc/sp24_backward.cu, `make kernels`) is used
+A CUDA C++ version of the same pass (kernels/csrc/sp24_sparsify.cu, `make kernels`) is used
 instead when it is built: this Triton kernel is instruction-bound, because both 2:4 metadata
 layouts pack nibbles of rows 8 apart into one word, which costs Triton cross-thread reductions
 and layout conversions; the CUDA kernel moves the tile once through shared memory. Both must
@@ -32,7 +32,7 @@ from torch import Tensor
 from model.sparse24 import mask_2to4
 
 from .cslt_layout import compress, compressed_numel
-from .native import KERNELS
+from .native import KERNELS, kernels_usable, launch
 from .sparsify24 import padded_rows, round_to_bf16, top2_of_4
 
 
@@ -209,27 +209,18 @@ BACKENDS = ("auto", "triton", "cuda")
 def cuda_usable(z: Tensor, da: Tensor, reuse_forward_mask: bool = True) -> bool:
     """The CUDA kernel can run these inputs: built (make kernels), an sm80/sm90 GPU, the forward
     mask re-used (the ablation without it is Triton's), 16-byte aligned rows."""
-    return (reuse_forward_mask and z.is_cuda and KERNELS.available(z.device, (8, 9))
-            and all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (z, da)))
+    return reuse_forward_mask and kernels_usable(z, da)
 
 
-_CUDA_FN: list = []
-
-
-def _cuda_fn():
-    if not _CUDA_FN:
-        fn = KERNELS.get().sp24_backward_operands
-        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        fn.argtypes, fn.restype = [p] * 12 + [i, i, i, i, i64, i64, p], i
-        _CUDA_FN.append(fn)
-    return _CUDA_FN[0]
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64, _P]
 
 
 def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
                       reuse_forward_mask: bool = True, bands: int = 1, num_warps: int = 8, backend: str = "auto"):
     """Fused backward_operands_reference. z, da: [T, F] row-major bf16, F % 64 == 0; perm: [T]
     token order (None: identity); dense: feature indices kept dense (None: none).
-    backend: "cuda" (kernels/csrc/sp24_backward.cu), "triton", or "auto": cuda where
+    backend: "cuda" (kernels/csrc/sp24_sparsify.cu), "triton", or "auto": cuda where
     `cuda_usable`, else triton. bands, num_warps: the Triton launch; the defaults were the fastest
     of bands 1-8 x warps 4-16 on the H200 at 1B and 7B (benchmarks/RESULTS.md)."""
     if backend not in BACKENDS:
@@ -257,12 +248,9 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     (a_buf, a_full), (g_buf, g_full) = outs
     meta = lambda buf: buf[Fh * Tp // 2:].view(torch.int16)  # noqa: E731 - metadata words follow the values
     if use_cuda:
-        with torch.cuda.device(z.device):
-            status = _cuda_fn()(*(t.data_ptr() for t in (z, da, order, slots, dz_buf, dz_meta, a_buf, meta(a_buf),
-                                                          a_full, g_buf, meta(g_buf), g_full)),
-                                T, Tp, Tr, Fh, z.stride(0), da.stride(0), torch.cuda.current_stream().cuda_stream)
-        if status:
-            raise RuntimeError(f"sp24_backward_operands: CUDA error {status} at launch")
+        launch("sp24_backward_operands", _CUDA_ARGS, *(t.data_ptr() for t in (
+            z, da, order, slots, dz_buf, dz_meta, a_buf, meta(a_buf), a_full, g_buf, meta(g_buf), g_full)),
+            T, Tp, Tr, Fh, z.stride(0), da.stride(0), device=z.device)
     else:
         n_bands = Fh // 64
         bands = next(b for b in (bands, 4, 2, 1) if n_bands % b == 0)

@@ -26,6 +26,7 @@ from kernels.cslt_layout import decompress  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_bwd, srelu24_ffn_fwd, srelu24_ffn_kernels  # noqa: E402
 from kernels.sparsify24_backward import backward_operands, cuda_usable, write_dense_features  # noqa: E402
 from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
+from kernels.sparsify24 import cuda_usable as sparsify_cuda_usable  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
 from training.logger import environment  # noqa: E402
@@ -149,10 +150,10 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
 
     parts = {
         "fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
-        "fw: fused srelu+2:4+compress": lambda: srelu_sparsify24(z),
+        f"fw: fused srelu+2:4+compress ({'CUDA' if sparsify_cuda_usable(z) else 'Triton'})": lambda: srelu_sparsify24(z),
         "fw: Y = A24 W2^T (sparse)": lambda: sparse_mm(buf, w2.t()),
         "bw: dA = dY W2 (dense)": lambda: dy @ w2,
-        f"bw: dZ, S(A24)^T, S(dZ)^T in one pass ({'CUDA' if cuda_usable(z, da) else 'Triton'})":
+        f"bw: dZ, S(A24)^T, S(dZ)^T in one fused pass ({'CUDA' if cuda_usable(z, da) else 'Triton'})":
             lambda: backward_operands(z, da, perm, dense),
         "bw: dX = dZ W1 (sparse)": lambda: sparse_mm(dzb, w1),
         "bw: dX rows back to token order": lambda: dx_p.index_select(0, inverse),
@@ -256,9 +257,9 @@ def host_and_gpu(D: int, Fh: int, T: int) -> dict:
 
 
 def tune_sparsify(z) -> dict:
-    """The fastest launch configuration of the fused kernel for this shape (all are exact)."""
+    """The fastest launch configuration of the fused Triton kernel for this shape (all are exact)."""
     configs = [{"bands": b, "num_warps": w} for b in (1, 4, 16) for w in (2, 4, 8)]
-    times = [(bench(lambda c=c: srelu_sparsify24(z, **c)), c) for c in configs]
+    times = [(bench(lambda c=c: srelu_sparsify24(z, **c, backend="triton")), c) for c in configs]
     return min(times, key=lambda t: t[0])[1]
 
 
@@ -271,7 +272,7 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled) -> dict:
     g2 = torch.randn(D, Fg, device="cuda", dtype=BF) * Fg ** -0.5
     z = F.linear(x, w1)
     best = tune_sparsify(z)
-    buf = srelu_sparsify24(z, **best)[0]
+    buf = srelu_sparsify24(z)[0]
     alg = 0
     try:
         alg = torch._C._cusparselt.mm_search(buf, w2.t(), None, None, None, False)[0]
@@ -295,8 +296,10 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled) -> dict:
     y_s, y_d = sparse_fw(), F.linear(F.relu(z).square() * mask_2to4(F.relu(z).square()), w2)
     r = {"shape": name, "T": T, "D": D, "F": Fh, "alg_id": alg, "fw_rel_err_vs_masked_dense": rel_err(y_s, y_d),
          "sparsify_config": best,
-         "copy_ms": bench(lambda: z.clone()), "sparsify_ms": bench(lambda: srelu_sparsify24(z, **best)),
-         "sparsify_no_counts_ms": bench(lambda: srelu_sparsify24(z, **{**best, "counts": False})),
+         "sparsify_backend": "cuda" if sparsify_cuda_usable(z) else "triton",
+         "copy_ms": bench(lambda: z.clone()), "sparsify_ms": bench(lambda: srelu_sparsify24(z)),
+         "sparsify_triton_ms": bench(lambda: srelu_sparsify24(z, **best, backend="triton")),
+         "sparsify_triton_no_counts_ms": bench(lambda: srelu_sparsify24(z, **{**best, "counts": False}, backend="triton")),
          "gemm1_ms": bench(lambda: F.linear(x, w1)),
          "sparse_gemm2_ms": bench(lambda: sparse_mm(buf, w2.t())),  # as the FFN runs it (cached plan)
          "dense_gemm2_ms": bench(lambda: F.linear(F.relu(z).square(), w2)),
@@ -395,10 +398,12 @@ def main() -> int:
     if bd:
         print(f"wrote {plot_breakdown(args.out)}")
     print(f"\n{torch.cuda.get_device_name()}: forward")
-    print("| shape | T | copy | fused sparsify (x copy) | dense fw eager | dense fw compiled | swiglu fw | srelu24 fw | vs eager | vs compiled |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | T | copy | fused sparsify (x copy) | Triton's | dense fw eager | dense fw compiled | swiglu fw | srelu24 fw "
+          "| vs eager | vs compiled |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['T']} | {r['copy_ms']:.3f} | {r['sparsify_ms']:.3f} ({r['sparsify_vs_copy']:.2f}x) "
+        print(f"| {r['shape']} | {r['T']} | {r['copy_ms']:.3f} | {r['sparsify_ms']:.3f} ({r['sparsify_vs_copy']:.2f}x, "
+              f"{r['sparsify_backend']}) | {r['sparsify_triton_ms']:.3f} "
               f"| {r['fw_dense_eager_ms']:.3f} | {r['fw_dense_compiled_ms']:.3f} | {r['fw_swiglu_ms']:.3f} "
               f"| {r['fw_srelu24_ms']:.3f} | {r['fw_speedup_vs_eager']:.2f}x | {r['fw_speedup_vs_compiled']:.2f}x |")
     print("\nforward + backward (ms)")

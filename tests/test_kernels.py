@@ -352,6 +352,34 @@ def test_backward_operands_cuda_kernel_reads_strided_rows():
         assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` and an sm80/sm90 GPU")
+@pytest.mark.parametrize("m,k,shift", [(64, 64, 0.0), (100, 128, 1.0), (4000, 1024, 0.5), (16384, 4096, 1.5),
+                                       (1000, 16512, 0.0), (33, 192, 2.0)])
+def test_sparsify_cuda_kernel_equals_reference(m, k, shift):
+    """The forward's CUDA kernel: compressed A24 (padding rows included) and counts, bit for bit,
+    on fresh random inputs; strided rows too."""
+    z = random_z(m, k, seed=m + k, device="cuda") - shift
+    buf, counts = srelu_sparsify24(z, backend="cuda")
+    want, want_counts = srelu_sparsify24_reference(z)
+    assert torch.equal(buf.view(torch.int16), want.view(torch.int16)) and torch.equal(counts, want_counts)
+    wide = torch.cat([z, z[:, :64]], 1)[:, :k]  # row stride k + 64
+    buf, counts = srelu_sparsify24(wide, backend="cuda")
+    assert torch.equal(buf.view(torch.int16), want.view(torch.int16)) and torch.equal(counts, want_counts)
+
+
+def test_sparsify_backend_errors_name_the_choices(monkeypatch, tmp_path):
+    from kernels.native import KERNELS
+
+    z = random_z(32, 64, seed=1)
+    with pytest.raises(ValueError, match="one of auto, triton, cuda"):
+        srelu_sparsify24(z, backend="tilelang")
+    monkeypatch.setenv("SP24_KERNELS_LIB", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(KERNELS, "loaded", [])
+    with pytest.raises(ValueError, match="make kernels"):
+        srelu_sparsify24(z, backend="cuda")
+
+
 def test_backward_operands_backend_errors_name_the_choices(monkeypatch, tmp_path):
     from kernels.native import KERNELS
     from kernels.sparsify24_backward import backward_operands

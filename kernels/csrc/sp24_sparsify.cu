@@ -1,0 +1,312 @@
+// The srelu24 FFN's sparsify passes in CUDA C++: the forward's srelu + 2:4 + compress, and the
+// backward's three sparse operands from one pass over Z and dA.
+//
+// Same contracts as the Triton kernels `_srelu_sparsify24_kernel` (kernels/sparsify24.py, counts
+// on, no statistics totals) and `_backward_operands_kernel` (kernels/sparsify24_backward.py, the
+// forward mask re-used), and bit-identical to them and to their PyTorch references:
+//
+//   forward   A24 compressed along features (cuSPARSELt's sm90 layout), kept non-zeros per feature
+//   backward  dZ compressed along features at the forward's 2:4 positions, rows in permuted order;
+//             S(A24)^T and S(dZ)^T, 2:4 along tokens (tokens permuted), transposed; dense features
+//             zeroed there and written exactly to [k, Tp] buffers
+//
+// Why CUDA: the Triton backward kernel is instruction-bound (1.33 ms at 7B, T=16384, on the H200:
+// 82% SM issue, 24% DRAM). Both 2:4 metadata layouts pack nibbles of rows 8 apart and of groups 4
+// apart into one 16-bit word, so in Triton every word costs cross-thread reductions and layout
+// conversions (about 1,580 SASS instructions per warp per 32x64 tile). Here every thread owns whole
+// metadata words, and the backward's tile moves once, through shared memory:
+//
+//   row pass     thread = 8 features (one 16-byte load) x 4 rows {a + 8b + 16c: b = 0, 1}, so a
+//                feature-dimension word's row partners (b) are in-thread and its group partners
+//                (h, 16 features away) 2 lanes away (one shuffle). The backward puts its masked
+//                A24 and dZ tiles in shared memory.
+//   token pass   (backward) thread = 2 features {16c + a, 16c + 8 + a} x 32 tokens of one
+//                token-dimension operand: 4 whole metadata words, and 2 x 32 contiguous bytes of values.
+//
+// Build: make kernels (build/sp24_kernels.so); loaded by kernels/native.py through ctypes.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kTok = 64;      // tokens per block: one 64-row band of dZ's operand, two 32-token chunks
+constexpr int kFeat = 64;     // features per block: one 64-row band of the token-dimension operands
+constexpr int kThreads = 128;
+
+// The 2:4 selection of one group (as kernels.sparsify24.top2_of_4): the 2 largest magnitudes win,
+// ties to the lower position. m0..m3 are magnitudes as bf16 bits without the sign (for finite values
+// their integer order is the float order); key = m << 2 | (3 - position) makes them distinct with
+// the tie-break built in, so the kept pair is the keys >= the second largest key.
+struct Top2 {
+  bool k0, k1, k2, k3;  // kept
+  __device__ __forceinline__ uint32_t nibble() const {  // p0 | p1 << 2, p0 < p1 the kept positions
+    return (k0 ? 0u : k1 ? 1u : 2u) | (k3 ? 12u : k2 ? 8u : 4u);
+  }
+  __device__ __forceinline__ uint32_t pair(uint32_t v0, uint32_t v1, uint32_t v2, uint32_t v3) const {
+    return (k0 ? v0 : k1 ? v1 : v2) | ((k3 ? v3 : k2 ? v2 : v1) << 16);  // the kept values, bf16 x2
+  }
+};
+
+__device__ __forceinline__ Top2 top2(uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  const uint32_t c0 = m0 << 2 | 3, c1 = m1 << 2 | 2, c2 = m2 << 2 | 1, c3 = m3 << 2;
+  const uint32_t hi01 = max(c0, c1), hi23 = max(c2, c3);
+  const uint32_t second = max(min(hi01, hi23), max(min(c0, c1), min(c2, c3)));
+  return Top2{c0 >= second, c1 >= second, c2 >= second, c3 >= second};
+}
+
+__device__ __forceinline__ float bf16_to_float(uint32_t bits) { return __uint_as_float(bits << 16); }
+
+__device__ __forceinline__ uint32_t float_to_bf16(float x) {  // round to nearest, ties to even
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ uint32_t half_of(const uint4& q, int i) {  // bf16 element i (0..7) of 8
+  const uint32_t w = i < 2 ? q.x : i < 4 ? q.y : i < 6 ? q.z : q.w;
+  return (w >> (16 * (i & 1))) & 0xFFFF;
+}
+
+// The row pass's thread layout over a [64 rows, 64 features] block: thread t owns features
+// 8o..8o+7 (o = t % 8) of rows a + 8b + 16c for b = 0, 1 and c = cp, cp + 2 (s = t / 8, a = s % 8,
+// cp = s / 8). Its groups 2o, 2o + 1 are groups 4h + m (m = 2 (o % 2) + e) of the 32-column chunk
+// o / 4, so the partner with the other h is 2 lanes away.
+struct RowLayout {
+  int o, a, cp, h;
+  __device__ explicit RowLayout(int t) : o(t & 7), a((t >> 3) & 7), cp(t >> 6), h((t >> 1) & 1) {}
+  __device__ int row(int j) const { return a + 8 * (j & 1) + 16 * (cp + 2 * (j >> 1)); }  // j = b + 2 ci
+};
+
+// One metadata word of a feature-dimension operand from the nibbles of this thread's two groups
+// (e = 0, 1) of rows b = 0, 1: part[e] holds them at bits 4b + 8h. The h = 0 thread of a pair writes
+// the word of its group e = 0 (m = 2 (o % 2)), the h = 1 thread that of e = 1; returns it and m.
+__device__ __forceinline__ uint32_t combine_word(const uint32_t (&part)[2], const RowLayout& L, int* m) {
+  const uint32_t mine = part[0] | (part[1] << 16);
+  const uint32_t both = mine | __shfl_xor_sync(0xFFFFFFFFu, mine, 2);
+  *m = 2 * (L.o & 1) + L.h;
+  return (both >> (16 * L.h)) & 0xFFFF;
+}
+
+// Position of word (row block c, row a, m) of the 64x32 metadata tile `tile` (cuSPARSELt's layout).
+__device__ __forceinline__ int64_t word_index(int64_t tile, int c, int a, int m) { return tile * 128 + 4 * (8 * c + a) + m; }
+
+__global__ void __launch_bounds__(kThreads) backward_operands_kernel(
+    const uint16_t* __restrict__ z, const uint16_t* __restrict__ da, const int* __restrict__ order,
+    const int* __restrict__ slots, uint16_t* __restrict__ dzv, uint16_t* __restrict__ dzm, uint16_t* __restrict__ av,
+    uint16_t* __restrict__ am, uint16_t* __restrict__ afull, uint16_t* __restrict__ gv, uint16_t* __restrict__ gm,
+    uint16_t* __restrict__ gfull, int T, int Tp, int F, int64_t stride_z, int64_t stride_da) {
+  // masked A24 and dZ tiles, [token][feature], for the token-dimension operands
+  __shared__ __align__(16) uint16_t s_tile[2][kTok][kFeat];
+
+  const int tok0 = blockIdx.x * kTok;
+  const int band = blockIdx.y;
+  const int t = threadIdx.x;
+
+  // ---- row pass: Z and dA rows (gathered through the token order), dZ's operand, the masked tiles ----
+  {
+    const RowLayout L(t);
+    const int64_t col = (int64_t)band * kFeat + 8 * L.o;
+    uint4 zq[4], dq[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // all loads first: 8 x 16 bytes in flight per thread
+      const int tok = tok0 + L.row(j);
+      zq[j] = dq[j] = make_uint4(0, 0, 0, 0);  // padding tokens read as zeros
+      if (tok < T) {
+        const int64_t src = order[tok];
+        zq[j] = __ldg(reinterpret_cast<const uint4*>(z + src * stride_z + col));
+        dq[j] = __ldg(reinterpret_cast<const uint4*>(da + src * stride_da + col));
+      }
+    }
+#pragma unroll
+    for (int ci = 0; ci < 2; ++ci) {
+      uint32_t part[2] = {0, 0};
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int j = b + 2 * ci, r = L.row(j);
+        uint32_t abits[8], dbits[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float rz = fmaxf(bf16_to_float(half_of(zq[j], i)), 0.0f);
+          abits[i] = float_to_bf16(rz * rz);
+          dbits[i] = float_to_bf16(bf16_to_float(half_of(dq[j], i)) * (2.0f * rz));  // rounded once, as torch does
+        }
+        uint32_t kept[2], ma[4], md[4];  // per group: dZ's kept values; masked A24 and dZ (bf16 pairs)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t* ag = abits + 4 * e;
+          const uint32_t* dg = dbits + 4 * e;
+          const Top2 sel = top2(ag[0], ag[1], ag[2], ag[3]);  // the forward mask (a >= 0)
+          kept[e] = sel.pair(dg[0], dg[1], dg[2], dg[3]);
+          part[e] |= sel.nibble() << (4 * b + 8 * L.h);
+          ma[2 * e] = (sel.k0 ? ag[0] : 0u) | ((sel.k1 ? ag[1] : 0u) << 16);
+          ma[2 * e + 1] = (sel.k2 ? ag[2] : 0u) | ((sel.k3 ? ag[3] : 0u) << 16);
+          md[2 * e] = (sel.k0 ? dg[0] : 0u) | ((sel.k1 ? dg[1] : 0u) << 16);
+          md[2 * e + 1] = (sel.k2 ? dg[2] : 0u) | ((sel.k3 ? dg[3] : 0u) << 16);
+        }
+        *reinterpret_cast<uint2*>(dzv + (int64_t)(tok0 + r) * (F / 2) + (int64_t)band * (kFeat / 2) + 4 * L.o) =
+            make_uint2(kept[0], kept[1]);
+        *reinterpret_cast<uint4*>(&s_tile[0][r][8 * L.o]) = make_uint4(ma[0], ma[1], ma[2], ma[3]);
+        *reinterpret_cast<uint4*>(&s_tile[1][r][8 * L.o]) = make_uint4(md[0], md[1], md[2], md[3]);
+      }
+      int m;
+      const uint32_t word = combine_word(part, L, &m);
+      const int64_t tile = (int64_t)(tok0 / kTok) * (F / 32) + band * 2 + (L.o >> 2);
+      dzm[word_index(tile, L.cp + 2 * ci, L.a, m)] = (uint16_t)word;
+    }
+  }
+  __syncthreads();
+
+  // ---- token pass: warp 2w + k: operand w (A24, dZ), 32-token chunk k; lane = a + 8c ----
+  const int w = t >> 6, k = (t >> 5) & 1, lane = t & 31, a = lane & 7, c = lane >> 3;
+  const int kc = tok0 / 32 + k;
+  if (kc * 32 >= Tp) return;  // dZ's rows are padded to 64, the token operands only to 32
+  uint16_t* val = w ? gv : av;
+  uint16_t* meta = w ? gm : am;
+  uint16_t* full = w ? gfull : afull;
+  uint32_t nib[2][8];
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    const int f = 16 * c + 8 * b + a;
+    const int64_t feat = (int64_t)band * kFeat + f;
+    uint32_t v[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = s_tile[w][32 * k + i][f];
+    const int slot = slots[feat];
+    if (slot >= 0) {  // a dense feature: its exact values to full[slot], zeros in the 2:4 operand
+      uint4* dst = reinterpret_cast<uint4*>(full + (int64_t)slot * Tp + (int64_t)kc * 32);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t* x = v + 8 * j;
+        dst[j] = make_uint4(x[0] | x[1] << 16, x[2] | x[3] << 16, x[4] | x[5] << 16, x[6] | x[7] << 16);
+      }
+#pragma unroll
+      for (int i = 0; i < 32; ++i) v[i] = 0;
+    }
+    uint32_t out[8];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+      const uint32_t* x = v + 4 * g;
+      const Top2 sel = top2(x[0] & 0x7FFF, x[1] & 0x7FFF, x[2] & 0x7FFF, x[3] & 0x7FFF);
+      nib[b][g] = sel.nibble();
+      out[g] = sel.pair(x[0], x[1], x[2], x[3]);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(val + feat * (Tp / 2) + (int64_t)kc * 16);
+    dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
+    dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+  uint32_t words[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m)
+    words[m] = nib[0][m] | (nib[1][m] << 4) | (nib[0][4 + m] << 8) | (nib[1][4 + m] << 12);
+  const int64_t tile = (int64_t)band * (Tp / 32) + kc;
+  *reinterpret_cast<uint2*>(meta + word_index(tile, c, a, 0)) = make_uint2(words[0] | words[1] << 16, words[2] | words[3] << 16);
+}
+
+// The forward: A24 = 2:4(relu(Z)^2) compressed, and the kept non-zeros per feature. A block runs
+// `bands` 64-row bands of one 64-feature block, so the counts' atomics come once per bands x 64 rows.
+__global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
+    const uint16_t* __restrict__ z, uint16_t* __restrict__ val, uint16_t* __restrict__ meta, int* __restrict__ counts,
+    int M, int Mp, int K, int64_t stride_z, int bands) {
+  __shared__ uint32_t s_counts[kThreads / 32][kFeat];
+  const RowLayout L(threadIdx.x);
+  const int fb = blockIdx.y;
+  const int64_t col = (int64_t)fb * kFeat + 8 * L.o;
+  uint32_t cnt[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // kept non-zeros of this thread's 8 features
+  for (int bi = 0; bi < bands; ++bi) {
+    const int tok0 = (blockIdx.x * bands + bi) * kTok;
+    if (tok0 >= Mp) break;  // the same for the whole block
+    uint4 zq[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = tok0 + L.row(j);
+      zq[j] = row < M ? __ldg(reinterpret_cast<const uint4*>(z + row * stride_z + col)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int ci = 0; ci < 2; ++ci) {
+      uint32_t part[2] = {0, 0};
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int j = b + 2 * ci;
+        uint32_t abits[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float rz = fmaxf(bf16_to_float(half_of(zq[j], i)), 0.0f);
+          abits[i] = float_to_bf16(rz * rz);
+        }
+        uint32_t kept[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t* ag = abits + 4 * e;
+          const Top2 sel = top2(ag[0], ag[1], ag[2], ag[3]);
+          kept[e] = sel.pair(ag[0], ag[1], ag[2], ag[3]);
+          part[e] |= sel.nibble() << (4 * b + 8 * L.h);
+          cnt[4 * e] += sel.k0 && ag[0];
+          cnt[4 * e + 1] += sel.k1 && ag[1];
+          cnt[4 * e + 2] += sel.k2 && ag[2];
+          cnt[4 * e + 3] += sel.k3 && ag[3];
+        }
+        *reinterpret_cast<uint2*>(val + (int64_t)(tok0 + L.row(j)) * (K / 2) + (int64_t)fb * (kFeat / 2) + 4 * L.o) =
+            make_uint2(kept[0], kept[1]);
+      }
+      int m;
+      const uint32_t word = combine_word(part, L, &m);
+      const int64_t tile = (int64_t)(tok0 / kTok) * (K / 32) + fb * 2 + (L.o >> 2);
+      meta[word_index(tile, L.cp + 2 * ci, L.a, m)] = (uint16_t)word;
+    }
+  }
+  // the 16 threads with this o: lanes 8 and 16 apart in a warp, then the 4 warps through shared memory
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    cnt[i] += __shfl_xor_sync(0xFFFFFFFFu, cnt[i], 8);
+    cnt[i] += __shfl_xor_sync(0xFFFFFFFFu, cnt[i], 16);
+  }
+  if (lane < 8) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s_counts[warp][8 * lane + i] = cnt[i];
+  }
+  __syncthreads();
+  if (threadIdx.x < kFeat) {
+    const uint32_t n = s_counts[0][threadIdx.x] + s_counts[1][threadIdx.x] + s_counts[2][threadIdx.x] + s_counts[3][threadIdx.x];
+    if (n) atomicAdd(counts + (int64_t)fb * kFeat + threadIdx.x, (int)n);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bumped whenever an exported signature changes; kernels/native.py checks it.
+int sp24_kernels_abi_version() { return 2; }
+
+// z: [M, K] bf16 (row stride in elements); val/meta: A24's compressed values and metadata ([Mp, K]
+// with Mp = M padded to 64: padding rows as zeros); counts: [K] int32, zeroed by the caller. K % 64 ==
+// 0, the row stride % 8 == 0, pointers 16-byte aligned. bands: 64-row bands per block (>= 1).
+int sp24_srelu_sparsify(const void* z, void* val, void* meta, int* counts, int M, int Mp, int K, int64_t stride_z,
+                        int bands, cudaStream_t stream) {
+  if (Mp == 0 || K == 0) return 0;
+  const int n_bands = Mp / kTok;
+  const dim3 grid((n_bands + bands - 1) / bands, K / kFeat);
+  srelu_sparsify_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint16_t*>(z), static_cast<uint16_t*>(val),
+                                                       static_cast<uint16_t*>(meta), counts, M, Mp, K, stride_z, bands);
+  return (int)cudaGetLastError();
+}
+
+// z, da: [T, F] bf16 (row strides in elements); order: [T] int32 token order; slots: [F] int32 (the
+// dense buffer row of a dense feature, -1 otherwise). Outputs as the Triton kernel's: dzv/dzm the
+// values/metadata of dZ's operand ([Tr, F] with Tr = T padded to 64), av/am and gv/gm those of
+// S(A24)^T and S(dZ)^T ([F, Tp], Tp = T padded to 32), afull/gfull [k, Tp]. F % 64 == 0, the row
+// strides % 8 == 0 and all pointers 16-byte aligned. Returns 0, or a cudaError_t of the launch.
+int sp24_backward_operands(const void* z, const void* da, const int* order, const int* slots, void* dzv, void* dzm,
+                           void* av, void* am, void* afull, void* gv, void* gm, void* gfull, int T, int Tp, int Tr,
+                           int F, int64_t stride_z, int64_t stride_da, cudaStream_t stream) {
+  if (Tr == 0 || F == 0) return 0;
+  const dim3 grid(Tr / kTok, F / kFeat);
+  backward_operands_kernel<<<grid, kThreads, 0, stream>>>(
+      static_cast<const uint16_t*>(z), static_cast<const uint16_t*>(da), order, slots, static_cast<uint16_t*>(dzv),
+      static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av), static_cast<uint16_t*>(am),
+      static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
+      static_cast<uint16_t*>(gfull), T, Tp, F, stride_z, stride_da);
+  return (int)cudaGetLastError();
+}
+
+}  // extern "C"
