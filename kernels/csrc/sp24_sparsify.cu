@@ -33,6 +33,9 @@ namespace {
 constexpr int kTok = 64;      // tokens per block: one 64-row band of dZ's operand, two 32-token chunks
 constexpr int kFeat = 64;     // features per block: one 64-row band of the token-dimension operands
 constexpr int kThreads = 128;
+#ifndef SP24_BW_MIN_BLOCKS
+#define SP24_BW_MIN_BLOCKS 1  // blocks per SM the backward kernel's register budget must allow
+#endif
 
 // The 2:4 selection of one group (as kernels.sparsify24.top2_of_4): the 2 largest magnitudes win,
 // ties to the lower position. m0..m3 are magnitudes as bf16 bits without the sign (for finite values
@@ -89,7 +92,7 @@ __device__ __forceinline__ uint32_t combine_word(const uint32_t (&part)[2], cons
 // Position of word (row block c, row a, m) of the 64x32 metadata tile `tile` (cuSPARSELt's layout).
 __device__ __forceinline__ int64_t word_index(int64_t tile, int c, int a, int m) { return tile * 128 + 4 * (8 * c + a) + m; }
 
-__global__ void __launch_bounds__(kThreads) backward_operands_kernel(
+__global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operands_kernel(
     const uint16_t* __restrict__ z, const uint16_t* __restrict__ da, const int* __restrict__ order,
     const int* __restrict__ slots, uint16_t* __restrict__ dzv, uint16_t* __restrict__ dzm, uint16_t* __restrict__ av,
     uint16_t* __restrict__ am, uint16_t* __restrict__ afull, uint16_t* __restrict__ gv, uint16_t* __restrict__ gm,
