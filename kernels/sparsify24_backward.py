@@ -264,27 +264,40 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
 
 @triton.jit
 def _write_dense_features_kernel(dw1_ptr, dw2_ptr, dense_ptr, g1_ptr, g2_ptr, k, D, F,
-                                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (block of dense features, block of d): dW1 rows (coalesced) and dW2 columns."""
+                                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Program (block of dense features, block of d): dW1 rows (coalesced, ROWS) and dW2 columns (COLS)."""
     j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (j < k)[:, None] & (d < D)[None, :]
     f = tl.load(dense_ptr + j, mask=j < k, other=0).to(tl.int64)
     src = j[:, None] * D + d[None, :]
-    tl.store(dw1_ptr + f[:, None] * D + d[None, :], tl.load(g1_ptr + src, mask=ok), mask=ok)
-    tl.store(dw2_ptr + d[None, :].to(tl.int64) * F + f[:, None], tl.load(g2_ptr + src, mask=ok), mask=ok)
+    if ROWS:
+        tl.store(dw1_ptr + f[:, None] * D + d[None, :], tl.load(g1_ptr + src, mask=ok), mask=ok)
+    if COLS:
+        tl.store(dw2_ptr + d[None, :].to(tl.int64) * F + f[:, None], tl.load(g2_ptr + src, mask=ok), mask=ok)
 
 
-def write_dense_features(dw1: Tensor, dw2: Tensor, dense: Tensor, g1: Tensor, g2: Tensor) -> None:
+def write_dense_features(dw1: Optional[Tensor], dw2: Optional[Tensor], dense: Tensor, g1: Optional[Tensor],
+                         g2: Optional[Tensor]) -> None:
     """dw1[dense] = g1 and dw2[:, dense] = g2^T, in place (dw1 [F, d], dw2 [d, F], g1 and g2 [k, d],
-    all contiguous). torch's indexed assignment into dW2's columns took 0.2 ms at 7B."""
-    k, D = g1.shape
-    F_ = dw1.shape[0]
-    if not (dw1.is_contiguous() and dw2.is_contiguous() and g1.is_contiguous() and g2.is_contiguous()):
+    all contiguous); either pair (dw1, g1) or (dw2, g2) may be None, to write only the other.
+    torch's indexed assignment into dW2's columns took 0.2 ms at 7B."""
+    if (dw1 is None) != (g1 is None) or (dw2 is None) != (g2 is None) or (dw1 is None and dw2 is None):
+        raise ValueError("write_dense_features: give dw1 with g1, dw2 with g2, or both pairs")
+    g = g1 if g1 is not None else g2
+    k, D = g.shape
+    F_ = dw1.shape[0] if dw1 is not None else dw2.shape[1]
+    given = [t for t in (dw1, dw2, g1, g2) if t is not None]
+    if not all(t.is_contiguous() for t in given):
         raise ValueError("write_dense_features needs contiguous tensors")
-    if dw1.shape != (F_, D) or dw2.shape != (D, F_) or g2.shape != (k, D) or dense.shape != (k,):
-        raise ValueError(f"write_dense_features: shapes dw1 {tuple(dw1.shape)}, dw2 {tuple(dw2.shape)}, "
-                         f"dense {tuple(dense.shape)}, g1 {tuple(g1.shape)}, g2 {tuple(g2.shape)} do not agree")
+    if ((dw1 is not None and (dw1.shape != (F_, D) or g1.shape != (k, D)))
+            or (dw2 is not None and (dw2.shape != (D, F_) or g2.shape != (k, D))) or dense.shape != (k,)):
+        raise ValueError(f"write_dense_features: shapes dw1 {None if dw1 is None else tuple(dw1.shape)}, dw2 "
+                         f"{None if dw2 is None else tuple(dw2.shape)}, dense {tuple(dense.shape)}, g1 "
+                         f"{None if g1 is None else tuple(g1.shape)}, g2 {None if g2 is None else tuple(g2.shape)} "
+                         "do not agree")
     if k:
         grid = (triton.cdiv(k, 32), triton.cdiv(D, 128))
-        _write_dense_features_kernel[grid](dw1, dw2, dense, g1, g2, k, D, F_, BLOCK_K=32, BLOCK_D=128)
+        _write_dense_features_kernel[grid](dw1 if dw1 is not None else dw2, dw2 if dw2 is not None else dw1, dense,
+                                           g1 if g1 is not None else g2, g2 if g2 is not None else g1, k, D, F_,
+                                           BLOCK_K=32, BLOCK_D=128, ROWS=dw1 is not None, COLS=dw2 is not None)

@@ -128,10 +128,14 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
+    # the dense features' exact gradients go in right after each sparse GEMM, while much of its
+    # output is still in L2 (dW2's columns are scattered 2-byte writes)
     dw2 = sparse_mm(s_a, dy_p, transpose_result=True)      # [d, F], no transpose pass
+    if dense is not None:
+        write_dense_features(None, dw2, dense, None, a_dense @ dy_p)
     dw1 = sparse_mm(s_dz, x_p)                             # [F, d]
-    if dense is not None:                                  # exact gradients of the dense features
-        write_dense_features(dw1, dw2, dense, dz_dense @ x_p, a_dense @ dy_p)
+    if dense is not None:
+        write_dense_features(dw1, None, dense, dz_dense @ x_p, None)
     return dx.contiguous(), dw1.contiguous(), dw2
 
 

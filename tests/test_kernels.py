@@ -410,3 +410,11 @@ def test_write_dense_features_equals_indexed_assignment(k, d, f):
     assert torch.equal(dw1, want1) and torch.equal(dw2, want2)
     with pytest.raises(ValueError, match="do not agree"):
         write_dense_features(dw1, dw2.t().contiguous(), dense, g1, g2)  # d != f in every case
+    # one side at a time, as the FFN's backward writes them (each right after its sparse GEMM)
+    only1, only2 = torch.zeros_like(dw1), torch.zeros_like(dw2)
+    write_dense_features(only1, None, dense, g1, None)
+    write_dense_features(None, only2, dense, None, g2)
+    assert torch.equal(only1[dense], g1) and torch.equal(only2[:, dense], g2.t())
+    assert only1.count_nonzero() == g1.count_nonzero() and only2.count_nonzero() == g2.count_nonzero()
+    with pytest.raises(ValueError, match="give dw1 with g1"):
+        write_dense_features(dw1, None, dense, None, g2)

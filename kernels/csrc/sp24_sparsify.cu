@@ -33,14 +33,10 @@ namespace {
 constexpr int kTok = 64;      // tokens per block: one 64-row band of dZ's operand, two 32-token chunks
 constexpr int kFeat = 64;     // features per block: one 64-row band of the token-dimension operands
 constexpr int kThreads = 128;
-#ifndef SP24_FW_FEATURES_FASTEST
-#define SP24_FW_FEATURES_FASTEST 0  // the forward's block order: feature blocks fastest (1) or row groups (0)
-#endif
-#ifndef SP24_BW_BAND_GROUP
-#define SP24_BW_BAND_GROUP 1  // bands per group of the backward's block order (1: token blocks fastest)
-#endif
 #ifndef SP24_BW_MIN_BLOCKS
-#define SP24_BW_MIN_BLOCKS 1  // blocks per SM the backward kernel's register budget must allow
+// blocks per SM the backward kernel's register budget must allow: 8 (64 registers, a 12-byte spill)
+// ran 0.75 ms at 7B on the H200, against 0.77-1.1 ms for 6, 5 and 1 (scripts/probe_cuda_kernels.py)
+#define SP24_BW_MIN_BLOCKS 8
 #endif
 
 // The 2:4 selection of one group (as kernels.sparsify24.top2_of_4): the 2 largest magnitudes win,
@@ -102,18 +98,18 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
     const uint16_t* __restrict__ z, const uint16_t* __restrict__ da, const int* __restrict__ order,
     const int* __restrict__ slots, uint16_t* __restrict__ dzv, uint16_t* __restrict__ dzm, uint16_t* __restrict__ av,
     uint16_t* __restrict__ am, uint16_t* __restrict__ afull, uint16_t* __restrict__ gv, uint16_t* __restrict__ gm,
-    uint16_t* __restrict__ gfull, int T, int Tp, int F, int64_t stride_z, int64_t stride_da, int group) {
+    uint16_t* __restrict__ gfull, int T, int Tp, int F, int64_t stride_z, int64_t stride_da) {
   // masked A24 and dZ tiles, [token][feature], for the token-dimension operands
   __shared__ __align__(16) uint16_t s_tile[2][kTok][kFeat];
 
-  // blocks in groups of `group` bands x all token blocks, bands fastest within a group: blocks
-  // running together then read whole runs of a row (group x 128 bytes) and write long runs of each
-  // token-dimension operand row
-  const int n_tok_blocks = gridDim.x / (F / kFeat);  // Tr / 64
-  const int in_group = blockIdx.x % (n_tok_blocks * group);
-  const int band = blockIdx.x / (n_tok_blocks * group) * group + in_group % group;
-  const int tok0 = in_group / group * kTok;
+  // token blocks fastest: blocks running together write long runs of each token-dimension operand
+  // row (bands fastest, or groups of bands, measured up to 3% slower on the H200)
+  const int tok0 = blockIdx.x * kTok;
+  const int band = blockIdx.y;
   const int t = threadIdx.x;
+  // the token pass's dense-buffer rows, loaded now so that their latency hides behind the row pass
+  const int slot_of[2] = {slots[band * kFeat + 16 * ((t & 31) >> 3) + (t & 7)],
+                          slots[band * kFeat + 16 * ((t & 31) >> 3) + 8 + (t & 7)]};
 
   // ---- row pass: Z and dA rows (gathered through the token order), dZ's operand, the masked tiles ----
   {
@@ -184,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
     uint32_t v[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) v[i] = s_tile[w][32 * k + i][f];
-    const int slot = slots[feat];
+    const int slot = slot_of[b];
     if (slot >= 0) {  // a dense feature: its exact values to full[slot], zeros in the 2:4 operand
       uint4* dst = reinterpret_cast<uint4*>(full + (int64_t)slot * Tp + (int64_t)kc * 32);
 #pragma unroll
@@ -222,11 +218,8 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
     int M, int Mp, int K, int64_t stride_z, int bands) {
   __shared__ uint32_t s_counts[kThreads / 32][kFeat];
   const RowLayout L(threadIdx.x);
-#if SP24_FW_FEATURES_FASTEST  // blocks running together read whole rows
+  // feature blocks fastest: blocks running together read whole rows (5% faster than row groups fastest)
   const int fb = blockIdx.x % (K / kFeat), row_group = blockIdx.x / (K / kFeat);
-#else
-  const int fb = blockIdx.y, row_group = blockIdx.x;
-#endif
   const int64_t col = (int64_t)fb * kFeat + 8 * L.o;
   uint32_t cnt[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // kept non-zeros of this thread's 8 features
   for (int bi = 0; bi < bands; ++bi) {
@@ -303,11 +296,7 @@ int sp24_srelu_sparsify(const void* z, void* val, void* meta, int* counts, int M
                         int bands, cudaStream_t stream) {
   if (Mp == 0 || K == 0) return 0;
   const int n_bands = Mp / kTok;
-#if SP24_FW_FEATURES_FASTEST
   const dim3 grid((n_bands + bands - 1) / bands * (K / kFeat));
-#else
-  const dim3 grid((n_bands + bands - 1) / bands, K / kFeat);
-#endif
   srelu_sparsify_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint16_t*>(z), static_cast<uint16_t*>(val),
                                                        static_cast<uint16_t*>(meta), counts, M, Mp, K, stride_z, bands);
   return (int)cudaGetLastError();
@@ -322,13 +311,11 @@ int sp24_backward_operands(const void* z, const void* da, const int* order, cons
                            void* av, void* am, void* afull, void* gv, void* gm, void* gfull, int T, int Tp, int Tr,
                            int F, int64_t stride_z, int64_t stride_da, cudaStream_t stream) {
   if (Tr == 0 || F == 0) return 0;
-  int group = SP24_BW_BAND_GROUP;  // the largest divisor of the band count up to it
-  while ((F / kFeat) % group) --group;
-  backward_operands_kernel<<<(Tr / kTok) * (F / kFeat), kThreads, 0, stream>>>(
+  backward_operands_kernel<<<dim3(Tr / kTok, F / kFeat), kThreads, 0, stream>>>(
       static_cast<const uint16_t*>(z), static_cast<const uint16_t*>(da), order, slots, static_cast<uint16_t*>(dzv),
       static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av), static_cast<uint16_t*>(am),
       static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
-      static_cast<uint16_t*>(gfull), T, Tp, F, stride_z, stride_da, group);
+      static_cast<uint16_t*>(gfull), T, Tp, F, stride_z, stride_da);
   return (int)cudaGetLastError();
 }
 
