@@ -49,7 +49,7 @@ class NativeLibrary:
             return False
 
 
-KERNELS = NativeLibrary("sp24_kernels.so", "SP24_KERNELS_LIB", "sp24_kernels_abi_version", 3,
+KERNELS = NativeLibrary("sp24_kernels.so", "SP24_KERNELS_LIB", "sp24_kernels_abi_version", 2,
                         "CUDA sparsify kernels", "make kernels")
 
 

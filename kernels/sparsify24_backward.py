@@ -213,30 +213,16 @@ def cuda_usable(z: Tensor, da: Tensor, reuse_forward_mask: bool = True) -> bool:
 
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64] + [_P] * 4 + [_I, _P]
-
-
-def _rows_fusable(rows_into, T: int, Tp: int) -> bool:
-    """The CUDA kernel can gather these rows itself: two contiguous [T, D] bf16 inputs, D % 8 == 0,
-    into contiguous [Tp, D] outputs, 16-byte aligned."""
-    (x, xp), (dy, dyp) = rows_into
-    D = x.shape[1]
-    return (D % 8 == 0 and all(t.is_contiguous() and t.dtype == torch.bfloat16 and t.data_ptr() % 16 == 0
-                               for t in (x, xp, dy, dyp))
-            and x.shape == dy.shape == (T, D) and xp.shape == dyp.shape == (Tp, D))
+_CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64, _P]
 
 
 def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
-                      reuse_forward_mask: bool = True, bands: int = 1, num_warps: int = 8, backend: str = "auto",
-                      rows_into: Optional[tuple] = None):
+                      reuse_forward_mask: bool = True, bands: int = 1, num_warps: int = 8, backend: str = "auto"):
     """Fused backward_operands_reference. z, da: [T, F] row-major bf16, F % 64 == 0; perm: [T]
     token order (None: identity); dense: feature indices kept dense (None: none).
     backend: "cuda" (kernels/csrc/sp24_sparsify.cu), "triton", or "auto": cuda where
     `cuda_usable`, else triton. bands, num_warps: the Triton launch; the defaults were the fastest
-    of bands 1-8 x warps 4-16 on the H200 at 1B and 7B (benchmarks/RESULTS.md).
-    rows_into: ((X, X_p), (dY, dY_p)), optional: X_p, dY_p [Tp, d] get the rows of X, dY [T, d] in
-    the token order, zero rows from T (the weight gradients' B operands); the CUDA kernel gathers
-    them in its own pass, where it can."""
+    of bands 1-8 x warps 4-16 on the H200 at 1B and 7B (benchmarks/RESULTS.md)."""
     if backend not in BACKENDS:
         raise ValueError(f"backward_operands: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     T, Fh = z.shape
@@ -261,18 +247,10 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
         outs.append((torch.empty(compressed_numel(Fh, Tp), dtype=torch.bfloat16, device=z.device), full))
     (a_buf, a_full), (g_buf, g_full) = outs
     meta = lambda buf: buf[Fh * Tp // 2:].view(torch.int16)  # noqa: E731 - metadata words follow the values
-    fuse_rows = use_cuda and rows_into is not None and _rows_fusable(rows_into, T, Tp)
-    if rows_into is not None and not fuse_rows:
-        for src, dst in rows_into:
-            torch.index_select(src, 0, order.long(), out=dst[:T])
-            dst[T:].zero_()
     if use_cuda:
-        ((x, x_p), (dy, dy_p)) = rows_into if fuse_rows else ((None, None), (None, None))
         launch("sp24_backward_operands", _CUDA_ARGS, *(t.data_ptr() for t in (
             z, da, order, slots, dz_buf, dz_meta, a_buf, meta(a_buf), a_full, g_buf, meta(g_buf), g_full)),
-            T, Tp, Tr, Fh, z.stride(0), da.stride(0),
-            *((x.data_ptr(), dy.data_ptr(), x_p.data_ptr(), dy_p.data_ptr(), x.shape[1]) if fuse_rows
-              else (None, None, None, None, 0)), device=z.device)
+            T, Tp, Tr, Fh, z.stride(0), da.stride(0), device=z.device)
     else:
         n_bands = Fh // 64
         bands = next(b for b in (bands, 4, 2, 1) if n_bands % b == 0)

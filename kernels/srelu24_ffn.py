@@ -37,6 +37,10 @@ def available(x: Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] in (8, 9)
 
 
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    return F.pad(t, (0, 0, 0, rows - t.shape[0])) if rows != t.shape[0] else t
+
+
 _ALG: dict = {}
 
 
@@ -110,12 +114,8 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     da = dy @ w2                                           # [T, F] dense
     perm = random_token_order(T, x.device) if token_permutation else None
     dense = densest_from_counts(counts, dense_feature_fraction)
-    # one pass over Z and dA writes all three sparse operands (dZ's rows in permuted order), and
-    # the weight gradients' B operands: the rows of dY and X in that order, padded to Tp
-    Tp = padded_tokens(T)
-    dy_p, x_p = dy.new_empty(Tp, dy.shape[1]), x.new_empty(Tp, x.shape[1])
-    dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(
-        z, da, perm, dense, reuse_forward_mask, rows_into=((x.contiguous(), x_p), (dy, dy_p)))
+    # one pass over Z and dA writes all three sparse operands (dZ's rows in permuted order)
+    dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(z, da, perm, dense, reuse_forward_mask)
     if reuse_forward_mask:
         dx = sparse_mm(dz_buf, w1)[:T]
         if perm is not None:  # back to token order: a gather by the inverse (a scatter took 3x as long)
@@ -125,6 +125,9 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     else:  # dZ is not 2:4 then: a dense GEMM (the ablation, not the fast path)
         dx = (da * (2 * F.relu(z))) @ w1
 
+    Tp = padded_tokens(T)
+    dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
+    x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
     # the dense features' exact gradients go in right after each sparse GEMM, while much of its
     # output is still in L2 (dW2's columns are scattered 2-byte writes)
     dw2 = sparse_mm(s_a, dy_p, transpose_result=True)      # [d, F], no transpose pass

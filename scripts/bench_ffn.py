@@ -133,10 +133,9 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
     da = dy @ w2
     perm = random_token_order(T, "cuda")
     dense = densest_from_counts(counts, RECIPE.dense_feature_fraction)
-    Tp = (T + 31) // 32 * 32
-    dy_p, x_p = dy.new_empty(Tp, D), x.new_empty(Tp, D)
-    rows = ((x, x_p), (dy, dy_p))
-    dzb, (s_a, a_d), (s_dz, dz_d) = backward_operands(z, da, perm, dense, rows_into=rows)
+    dzb, (s_a, a_d), (s_dz, dz_d) = backward_operands(z, da, perm, dense)
+    Tp = s_a.shape[1] * 16 // 9
+    dy_p, x_p = F.pad(dy[perm], (0, 0, 0, Tp - T)), F.pad(x[perm], (0, 0, 0, Tp - T))
     dx_p = sparse_mm(dzb, w1)[:T]
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
     a_dense, dz_dense = a_d @ dy_p, dz_d @ x_p
@@ -148,18 +147,17 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
         return inv, densest_from_counts(counts, RECIPE.dense_feature_fraction)
 
     inverse = orders()[0]
-    cuda = cuda_usable(z, da)
 
     parts = {
         "fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
         f"fw: fused srelu+2:4+compress ({'CUDA' if sparsify_cuda_usable(z) else 'Triton'})": lambda: srelu_sparsify24(z),
         "fw: Y = A24 W2^T (sparse)": lambda: sparse_mm(buf, w2.t()),
         "bw: dA = dY W2 (dense)": lambda: dy @ w2,
-        # the CUDA kernel also gathers the rows of X and dY in the token order; Triton's caller does
-        f"bw: dZ, S(A24)^T, S(dZ)^T{' and X, dY rows' if cuda else ''} in one fused pass "
-        f"({'CUDA' if cuda else 'Triton'})": lambda: backward_operands(z, da, perm, dense, rows_into=rows),
+        f"bw: dZ, S(A24)^T, S(dZ)^T in one fused pass ({'CUDA' if cuda_usable(z, da) else 'Triton'})":
+            lambda: backward_operands(z, da, perm, dense),
         "bw: dX = dZ W1 (sparse)": lambda: sparse_mm(dzb, w1),
         "bw: dX rows back to token order": lambda: dx_p.index_select(0, inverse),
+        "bw: permute dY and X": lambda: (dy[perm], x[perm]),
         "bw: dW2 (sparse), written as [d, F]": lambda: sparse_mm(s_a, dy_p, transpose_result=True),
         "bw: dW1 (sparse)": lambda: sparse_mm(s_dz, x_p),
         "bw: dense-feature GEMMs": lambda: (a_d @ dy_p, dz_d @ x_p),
@@ -167,8 +165,6 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
                                                                                   a_dense),
         "bw: permutation, its inverse, feature sort": orders,
     }
-    if not cuda:
-        parts["bw: permute dY and X"] = lambda: (dy[perm], x[perm])
     return {k: bench(fn) for k, fn in parts.items()}
 
 
@@ -190,12 +186,6 @@ def backward_kernels(D: int, Fh: int, T: int) -> dict:
         out["cuda_equals_triton"] = all(torch.equal(a, b) for a, b in zip(got, want))
         out["cuda_ms"] = bench(lambda: backward_operands(z, da, perm, dense, backend="cuda"))
         out["cuda_speedup"] = out["triton_ms"] / out["cuda_ms"]
-        # the rows of X and dY in the token order: gathered by torch, or inside the CUDA kernel
-        xs = [torch.randn(T, D, device="cuda", dtype=BF) for _ in range(2)]
-        rows = [(t, t.new_empty((T + 31) // 32 * 32, D)) for t in xs]
-        out["torch_row_gathers_ms"] = bench(lambda: (xs[0][perm], xs[1][perm]))
-        out["cuda_with_row_gathers_ms"] = bench(lambda: backward_operands(z, da, perm, dense, backend="cuda",
-                                                                          rows_into=rows))
     return out
 
 
@@ -438,14 +428,11 @@ def main() -> int:
         print(f"| sum of the pieces above | {sum(parts.values()):.3f} |")
     if bk:
         print("\nthe backward's one-pass kernel (ms): Triton against CUDA C++ (make kernels)")
-        print("| shape | copy of Z | Triton | CUDA | CUDA speed-up | CUDA == Triton | torch's X, dY row gathers "
-              "| CUDA gathering them too |")
-        print("|---|---|---|---|---|---|---|---|")
-        nan = float("nan")
+        print("| shape | copy of Z | Triton | CUDA | CUDA speed-up | CUDA == Triton |")
+        print("|---|---|---|---|---|---|")
         for name, o in bk.items():
-            print(f"| {name} | {o['copy_z_ms']:.3f} | {o['triton_ms']:.3f} | {o.get('cuda_ms', nan):.3f} "
-                  f"| {o.get('cuda_speedup', nan):.2f}x | {o.get('cuda_equals_triton', 'not built')} "
-                  f"| {o.get('torch_row_gathers_ms', nan):.3f} | {o.get('cuda_with_row_gathers_ms', nan):.3f} |")
+            print(f"| {name} | {o['copy_z_ms']:.3f} | {o['triton_ms']:.3f} | {o.get('cuda_ms', float('nan')):.3f} "
+                  f"| {o.get('cuda_speedup', float('nan')):.2f}x | {o.get('cuda_equals_triton', 'not built')} |")
     for name, o in overhead.items():
         print(f"\nhost and GPU at {name}: " + json.dumps(o))
     return 0

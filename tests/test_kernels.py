@@ -232,19 +232,6 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
         assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
 
 
-def test_backward_operands_gathers_the_rows_it_is_given():
-    """rows_into: X and dY rows in the token order, zero rows up to Tp (the Triton path's gather)."""
-    from kernels.sparsify24_backward import backward_operands
-
-    z, da = random_z(80, 64, seed=3), random_z(80, 64, seed=4)
-    perm = torch.randperm(80, generator=torch.Generator().manual_seed(5))
-    x, dy = torch.randn(80, 24).bfloat16(), torch.randn(80, 24).bfloat16()
-    x_p, dy_p = torch.ones(96, 24).bfloat16(), torch.ones(96, 24).bfloat16()
-    backward_operands(z, da, perm, None, rows_into=((x, x_p), (dy, dy_p)))
-    assert torch.equal(x_p[:80], x[perm]) and torch.equal(dy_p[:80], dy[perm])
-    assert not x_p[80:].any() and not dy_p[80:].any()
-
-
 @pytest.mark.parametrize("bands", [2, 4])
 def test_backward_operands_with_several_bands_per_program(bands):
     from kernels.sparsify24_backward import backward_operands, backward_operands_reference
@@ -341,18 +328,11 @@ def test_backward_operands_on_cuda_equal_reference(backend, t, f, n_dense, permu
     z[t // 2:, f // 2:] = -z[t // 2:, f // 2:]
     perm = torch.randperm(t, device="cuda") if permuted else None
     dense = torch.randperm(f, device="cuda")[:n_dense] if n_dense else None
-    d = 8 * (1 + t % 5) if t % 2 else 40  # the rows' width: chunks that do not split evenly across the bands
-    x, dy = torch.randn(t, d, device="cuda").bfloat16(), torch.randn(t, d, device="cuda").bfloat16()
-    tp = (t + 31) // 32 * 32
-    x_p, dy_p = torch.full((tp, d), 7.0, device="cuda").bfloat16(), torch.full((tp, d), 7.0, device="cuda").bfloat16()
-    got = backward_operands(z, da, perm, dense, backend=backend, rows_into=((x, x_p), (dy, dy_p)))
+    got = backward_operands(z, da, perm, dense, backend=backend)
     want = backward_operands_reference(z, da, perm, dense)
     assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
         assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
-    order = perm if perm is not None else torch.arange(t, device="cuda")
-    for src, dst in ((x, x_p), (dy, dy_p)):  # the weight gradients' B operands, gathered in the same pass
-        assert torch.equal(dst[:t], src[order]) and not dst[t:].any()
 
 
 @pytest.mark.gpu

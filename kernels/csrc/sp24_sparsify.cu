@@ -98,9 +98,7 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
     const uint16_t* __restrict__ z, const uint16_t* __restrict__ da, const int* __restrict__ order,
     const int* __restrict__ slots, uint16_t* __restrict__ dzv, uint16_t* __restrict__ dzm, uint16_t* __restrict__ av,
     uint16_t* __restrict__ am, uint16_t* __restrict__ afull, uint16_t* __restrict__ gv, uint16_t* __restrict__ gm,
-    uint16_t* __restrict__ gfull, int T, int Tp, int F, int64_t stride_z, int64_t stride_da,
-    const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, uint16_t* __restrict__ xp,
-    uint16_t* __restrict__ dyp, int D) {
+    uint16_t* __restrict__ gfull, int T, int Tp, int F, int64_t stride_z, int64_t stride_da) {
   // masked A24 and dZ tiles, [token][feature], for the token-dimension operands
   __shared__ __align__(16) uint16_t s_tile[2][kTok][kFeat];
 
@@ -112,24 +110,6 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
   // the token pass's dense-buffer rows, loaded now so that their latency hides behind the row pass
   const int slot_of[2] = {slots[band * kFeat + 16 * ((t & 31) >> 3) + (t & 7)],
                           slots[band * kFeat + 16 * ((t & 31) >> 3) + 8 + (t & 7)]};
-
-  // ---- the weight gradients' B operands: rows of X and dY in the token order (zero rows up to Tp),
-  // this band's share of the 16-byte chunks of its 64 rows (the memory traffic overlaps the row pass)
-  if (x != nullptr) {
-    const int chunks = D / 8, per_band = (chunks + gridDim.y - 1) / gridDim.y;
-    for (int i = t; i < kTok * per_band; i += kThreads) {
-      const int tok = tok0 + i / per_band, chunk = band * per_band + i % per_band;
-      if (tok >= Tp || chunk >= chunks) continue;
-      uint4 vx = make_uint4(0, 0, 0, 0), vd = make_uint4(0, 0, 0, 0);
-      if (tok < T) {
-        const int64_t src = (int64_t)order[tok] * D + 8 * chunk;
-        vx = __ldg(reinterpret_cast<const uint4*>(x + src));
-        vd = __ldg(reinterpret_cast<const uint4*>(dy + src));
-      }
-      *reinterpret_cast<uint4*>(xp + (int64_t)tok * D + 8 * chunk) = vx;
-      *reinterpret_cast<uint4*>(dyp + (int64_t)tok * D + 8 * chunk) = vd;
-    }
-  }
 
   // ---- row pass: Z and dA rows (gathered through the token order), dZ's operand, the masked tiles ----
   {
@@ -307,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
 extern "C" {
 
 // Bumped whenever an exported signature changes; kernels/native.py checks it.
-int sp24_kernels_abi_version() { return 3; }
+int sp24_kernels_abi_version() { return 2; }
 
 // z: [M, K] bf16 (row stride in elements); val/meta: A24's compressed values and metadata ([Mp, K]
 // with Mp = M padded to 64: padding rows as zeros); counts: [K] int32, zeroed by the caller. K % 64 ==
@@ -325,21 +305,17 @@ int sp24_srelu_sparsify(const void* z, void* val, void* meta, int* counts, int M
 // z, da: [T, F] bf16 (row strides in elements); order: [T] int32 token order; slots: [F] int32 (the
 // dense buffer row of a dense feature, -1 otherwise). Outputs as the Triton kernel's: dzv/dzm the
 // values/metadata of dZ's operand ([Tr, F] with Tr = T padded to 64), av/am and gv/gm those of
-// S(A24)^T and S(dZ)^T ([F, Tp], Tp = T padded to 32), afull/gfull [k, Tp]. x, dy (optional, null for
-// none): contiguous [T, D], gathered in the token order into xp, dyp [Tp, D] (zero rows from T).
-// F % 64 == 0, D % 8 == 0, the row strides % 8 == 0 and all pointers 16-byte aligned. Returns 0, or a
-// cudaError_t of the launch.
+// S(A24)^T and S(dZ)^T ([F, Tp], Tp = T padded to 32), afull/gfull [k, Tp]. F % 64 == 0, the row
+// strides % 8 == 0 and all pointers 16-byte aligned. Returns 0, or a cudaError_t of the launch.
 int sp24_backward_operands(const void* z, const void* da, const int* order, const int* slots, void* dzv, void* dzm,
                            void* av, void* am, void* afull, void* gv, void* gm, void* gfull, int T, int Tp, int Tr,
-                           int F, int64_t stride_z, int64_t stride_da, const void* x, const void* dy, void* xp,
-                           void* dyp, int D, cudaStream_t stream) {
+                           int F, int64_t stride_z, int64_t stride_da, cudaStream_t stream) {
   if (Tr == 0 || F == 0) return 0;
   backward_operands_kernel<<<dim3(Tr / kTok, F / kFeat), kThreads, 0, stream>>>(
       static_cast<const uint16_t*>(z), static_cast<const uint16_t*>(da), order, slots, static_cast<uint16_t*>(dzv),
       static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av), static_cast<uint16_t*>(am),
       static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
-      static_cast<uint16_t*>(gfull), T, Tp, F, stride_z, stride_da, static_cast<const uint16_t*>(x),
-      static_cast<const uint16_t*>(dy), static_cast<uint16_t*>(xp), static_cast<uint16_t*>(dyp), D);
+      static_cast<uint16_t*>(gfull), T, Tp, F, stride_z, stride_da);
   return (int)cudaGetLastError();
 }
 
