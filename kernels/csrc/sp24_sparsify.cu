@@ -33,9 +33,6 @@ namespace {
 constexpr int kTok = 64;      // tokens per block: one 64-row band of dZ's operand, two 32-token chunks
 constexpr int kFeat = 64;     // features per block: one 64-row band of the token-dimension operands
 constexpr int kThreads = 128;
-#ifndef SP24_BW_BANDS
-#define SP24_BW_BANDS 1  // 64-feature bands per block of the backward kernel (where the band count allows)
-#endif
 #ifndef SP24_BW_MIN_BLOCKS
 // blocks per SM the backward kernel's register budget must allow: 8 (64 registers, a 12-byte spill)
 // ran 0.75 ms at 7B on the H200, against 0.77-1.1 ms for 6, 5 and 1 (scripts/probe_cuda_kernels.py)
@@ -97,21 +94,19 @@ __device__ __forceinline__ uint32_t combine_word(const uint32_t (&part)[2], cons
 // Position of word (row block c, row a, m) of the 64x32 metadata tile `tile` (cuSPARSELt's layout).
 __device__ __forceinline__ int64_t word_index(int64_t tile, int c, int a, int m) { return tile * 128 + 4 * (8 * c + a) + m; }
 
-template <int kBands>  // 64-feature bands per block, 128 threads each: rows are read kBands x 128 bytes at a time
-__global__ void __launch_bounds__(kThreads * kBands, SP24_BW_MIN_BLOCKS / kBands) backward_operands_kernel(
+__global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operands_kernel(
     const uint16_t* __restrict__ z, const uint16_t* __restrict__ da, const int* __restrict__ order,
     const int* __restrict__ slots, uint16_t* __restrict__ dzv, uint16_t* __restrict__ dzm, uint16_t* __restrict__ av,
     uint16_t* __restrict__ am, uint16_t* __restrict__ afull, uint16_t* __restrict__ gv, uint16_t* __restrict__ gm,
     uint16_t* __restrict__ gfull, int T, int Tp, int F, int64_t stride_z, int64_t stride_da) {
   // masked A24 and dZ tiles, [token][feature], for the token-dimension operands
-  __shared__ __align__(16) uint16_t s_tiles[kBands][2][kTok][kFeat];
-  auto& s_tile = s_tiles[threadIdx.x / kThreads];
+  __shared__ __align__(16) uint16_t s_tile[2][kTok][kFeat];
 
   // token blocks fastest: blocks running together write long runs of each token-dimension operand
   // row (bands fastest, or groups of bands, measured up to 3% slower on the H200)
   const int tok0 = blockIdx.x * kTok;
-  const int band = blockIdx.y * kBands + threadIdx.x / kThreads;
-  const int t = threadIdx.x % kThreads;
+  const int band = blockIdx.y;
+  const int t = threadIdx.x;
   // the token pass's dense-buffer rows, loaded now so that their latency hides behind the row pass
   const int slot_of[2] = {slots[band * kFeat + 16 * ((t & 31) >> 3) + (t & 7)],
                           slots[band * kFeat + 16 * ((t & 31) >> 3) + 8 + (t & 7)]};
@@ -316,17 +311,11 @@ int sp24_backward_operands(const void* z, const void* da, const int* order, cons
                            void* av, void* am, void* afull, void* gv, void* gm, void* gfull, int T, int Tp, int Tr,
                            int F, int64_t stride_z, int64_t stride_da, cudaStream_t stream) {
   if (Tr == 0 || F == 0) return 0;
-  const auto launch = [&](auto kernel, int bands) {
-    kernel<<<dim3(Tr / kTok, F / kFeat / bands), kThreads * bands, 0, stream>>>(
-        static_cast<const uint16_t*>(z), static_cast<const uint16_t*>(da), order, slots, static_cast<uint16_t*>(dzv),
-        static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av), static_cast<uint16_t*>(am),
-        static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
-        static_cast<uint16_t*>(gfull), T, Tp, F, stride_z, stride_da);
-  };
-  if ((F / kFeat) % SP24_BW_BANDS == 0)
-    launch(backward_operands_kernel<SP24_BW_BANDS>, SP24_BW_BANDS);
-  else
-    launch(backward_operands_kernel<1>, 1);
+  backward_operands_kernel<<<dim3(Tr / kTok, F / kFeat), kThreads, 0, stream>>>(
+      static_cast<const uint16_t*>(z), static_cast<const uint16_t*>(da), order, slots, static_cast<uint16_t*>(dzv),
+      static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av), static_cast<uint16_t*>(am),
+      static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
+      static_cast<uint16_t*>(gfull), T, Tp, F, stride_z, stride_da);
   return (int)cudaGetLastError();
 }
 
