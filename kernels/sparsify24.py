@@ -3,7 +3,9 @@ directly in cuSPARSELt's sm90 compressed layout (the operand of `torch._cslt_spa
 plus the per-feature count of kept non-zeros (for the dense-feature split).
 
 Reference: `srelu_sparsify24_reference` (PyTorch: model.sparse24.mask_2to4 +
-kernels.cslt_layout.compress). The Triton kernel must match it bit for bit.
+kernels.cslt_layout.compress). The Triton kernel must match it bit for bit, and so must the
+CUDA C++ version (kernels/csrc/sp24_sparsify.cu, `make kernels`), which runs instead where it
+is built, except on logged steps (the statistics totals are the Triton kernel's).
 
 A 64x32 tile's 512 metadata nibbles are 128 consecutive 16-bit words: word 4p + m (p = 8c + a
 for rows 16c + 8b + a, m = group % 4) packs the nibbles of rows (b = 0, 1) and groups
