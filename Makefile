@@ -36,9 +36,10 @@ test: venv
 clean-venv:
 	rm -rf $(VENV)
 
-# make kernels: the CUDA C++ sparsify kernel of the srelu24 backward (kernels/csrc/sp24_sparsify.cu) as
-# build/sp24_kernels.so, which kernels/sparsify24_backward.py prefers to its Triton kernel. Needs nvcc
-# >= 12.0 (sm80 and sm90 code; a few seconds). Without it the Triton kernel runs.
+# make kernels: the CUDA C++ sparsify kernels of the srelu24 forward and backward
+# (kernels/csrc/sp24_sparsify.cu) as build/sp24_kernels.so, which kernels/sparsify24.py and
+# kernels/sparsify24_backward.py prefer to their Triton kernels. Needs nvcc >= 12.0 (sm80 and sm90 code;
+# a few seconds). Without it the Triton kernels run.
 NVCC ?= nvcc
 KERNELS_FLAGS = -std=c++17 -O3 -Xcompiler -fPIC -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 

@@ -36,22 +36,14 @@ def available(device=None) -> bool:
     return _LIB.available(device, (9,))
 
 
-_FNS: dict = {}
-
-
 def _fn(name: str):
-    """The exported function `name`, with its ctypes signature (set once)."""
-    if name not in _FNS:
-        fn = getattr(_lib(), name)
-        p, i = ctypes.c_void_p, ctypes.c_int
-        if name.endswith("_workspace"):
-            fn.argtypes, fn.restype = [i, i, i], ctypes.c_size_t
-        elif name.startswith("sp24_compress"):
-            fn.argtypes, fn.restype = [p, p, p, i, i, p, ctypes.c_size_t, p], i
-        else:
-            fn.argtypes, fn.restype = [p, p, p, p, i, i, i, p, ctypes.c_size_t, p], i
-        _FNS[name] = fn
-    return _FNS[name]
+    """The exported function `name`, with its ctypes signature."""
+    p, i = ctypes.c_void_p, ctypes.c_int
+    if name.endswith("_workspace"):
+        return _LIB.function(name, [i, i, i], ctypes.c_size_t)
+    if name.startswith("sp24_compress"):
+        return _LIB.function(name, [p, p, p, i, i, p, ctypes.c_size_t, p], i)
+    return _LIB.function(name, [p, p, p, p, i, i, i, p, ctypes.c_size_t, p], i)
 
 
 def _check(status: int, what: str) -> None:

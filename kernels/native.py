@@ -21,6 +21,7 @@ class NativeLibrary:
         self.filename, self.env_var, self.abi_symbol, self.abi_version = filename, env_var, abi_symbol, abi_version
         self.what, self.make_target = what, make_target
         self.loaded: list = []  # [ctypes library or None], looked for once
+        self.functions: dict = {}
 
     def path(self) -> str:
         """build/<filename>, or the path in the environment variable env_var."""
@@ -36,6 +37,14 @@ class NativeLibrary:
                     raise RuntimeError(f"{path} was built from another version of its source: run {self.make_target}")
             self.loaded.append(lib)
         return self.loaded[0]
+
+    def function(self, name: str, argtypes: list, restype):
+        """The exported function `name`, with its ctypes signature (set once)."""
+        if name not in self.functions:
+            fn = getattr(self.get(), name)
+            fn.argtypes, fn.restype = argtypes, restype
+            self.functions[name] = fn
+        return self.functions[name]
 
     def available(self, device=None, majors: tuple = (9,)) -> bool:
         """The library is built and loads, and the GPU's compute capability major is in `majors`."""
@@ -54,27 +63,35 @@ KERNELS = NativeLibrary("sp24_kernels.so", "SP24_KERNELS_LIB", "sp24_kernels_abi
 
 
 def kernels_usable(*tensors: torch.Tensor) -> bool:
-    """KERNELS is built and loads, and the 2-D tensors are on an sm80/sm90 GPU with 16-byte aligned rows."""
-    return (tensors[0].is_cuda and KERNELS.available(tensors[0].device, (8, 9))
+    """KERNELS is built and loads, and the 2-D tensors are all on one sm80/sm90 GPU with 16-byte
+    aligned rows."""
+    dev = tensors[0].device
+    return (tensors[0].is_cuda and all(t.device == dev for t in tensors) and KERNELS.available(dev, (8, 9))
             and all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and t.stride(1) == 1 for t in tensors))
 
 
-_FUNCTIONS: dict = {}
+BACKENDS = ("auto", "triton", "cuda")
 
 
-def kernels_function(name: str, argtypes: list):
-    """KERNELS' exported function `name` returning int, with its ctypes argument types (set once)."""
-    if name not in _FUNCTIONS:
-        fn = getattr(KERNELS.get(), name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        _FUNCTIONS[name] = fn
-    return _FUNCTIONS[name]
+def use_cuda(backend: str, usable, op: str, needs: str) -> bool:
+    """Whether `op` runs its CUDA kernel: backend "cuda" (which must be usable: else a ValueError
+    naming what it needs), "triton", or "auto" (cuda where usable). usable: a no-argument callable."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "triton":
+        return False
+    ok = usable()
+    if backend == "cuda" and not ok:
+        raise ValueError(f"{op}: backend 'cuda' needs {KERNELS.path()} ({KERNELS.make_target}), an sm80/sm90 GPU, "
+                         f"{needs}; backend 'triton' runs anywhere")
+    return ok
 
 
 def launch(name: str, argtypes: list, *args, device) -> None:
-    """Call KERNELS' launcher `name` on the current stream of `device`; a non-zero status (a CUDA
-    error at launch) raises."""
+    """Call KERNELS' launcher `name` (returning a cudaError_t) on the current stream of `device`;
+    a non-zero status (a CUDA error at launch) raises."""
     with torch.cuda.device(device):
-        status = kernels_function(name, argtypes)(*args, torch.cuda.current_stream().cuda_stream)
+        status = KERNELS.function(name, argtypes + [ctypes.c_void_p], ctypes.c_int)(
+            *args, torch.cuda.current_stream().cuda_stream)
     if status:
         raise RuntimeError(f"{name}: CUDA error {status} at launch")

@@ -24,7 +24,7 @@ from torch import Tensor
 from model.sparse24 import mask_2to4
 
 from .cslt_layout import compress, compressed_numel
-from .native import kernels_usable, launch
+from .native import kernels_usable, launch, use_cuda
 
 
 def padded_rows(m: int) -> int:
@@ -142,8 +142,7 @@ def _srelu_sparsify24_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, totals_ptr, M
         tl.atomic_add(totals_ptr + 2, tl.sum(dropped_sq).to(tl.float64))
 
 
-BACKENDS = ("auto", "triton", "cuda")
-_CUDA_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+_CUDA_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64, ctypes.c_int]
 
 
 def cuda_usable(z: Tensor, counts: bool = True, totals: Optional[Tensor] = None) -> bool:
@@ -159,8 +158,6 @@ def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: 
     With `totals` (float64 [3]): adds [non-zeros, sum a^2, dropped sum a^2] of a = relu(Z)^2,
     see activation_totals_reference. backend: "cuda", "triton", or "auto": cuda where
     `cuda_usable`, else triton (bands and num_warps are the Triton launch's)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"srelu_sparsify24: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     M, K = z.shape
     if K % 32:
         raise ValueError(f"srelu_sparsify24 needs the feature count to be a multiple of 32, got {K}")
@@ -172,15 +169,13 @@ def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: 
         raise ValueError("srelu_sparsify24: totals need the counts (counts=True): the statistics use both")
     if totals is not None and (totals.shape != (3,) or totals.dtype != torch.float64):
         raise ValueError("srelu_sparsify24: totals must be a float64 [3] tensor")
-    use_cuda = backend == "cuda" or (backend == "auto" and cuda_usable(z, counts, totals))
-    if backend == "cuda" and not cuda_usable(z, counts, totals):
-        raise ValueError("srelu_sparsify24: backend 'cuda' needs build/sp24_kernels.so (make kernels), an sm80/sm90 "
-                         "GPU, 16-byte aligned rows, K % 64 == 0, counts=True and no totals; backend 'triton' runs anywhere")
+    cuda = use_cuda(backend, lambda: cuda_usable(z, counts, totals), "srelu_sparsify24",
+                    "16-byte aligned rows, K % 64 == 0, counts=True and no totals")
     Mp = padded_rows(M)
     buf = torch.empty(compressed_numel(Mp, K), dtype=torch.bfloat16, device=z.device)
     nnz = torch.zeros(K, dtype=torch.int32, device=z.device)
     n_bands = Mp // 64
-    if use_cuda:
+    if cuda:
         # 64-row bands per block: as many as keep >= 4096 blocks (the counts' atomics amortised)
         per_block = next((b for b in (8, 4, 2) if -(-n_bands // b) * (K // 64) >= 4096), 1)
         launch("sp24_srelu_sparsify", _CUDA_ARGS, z.data_ptr(), buf.data_ptr(), buf.data_ptr() + Mp * K, nnz.data_ptr(),

@@ -12,7 +12,9 @@ Three separate kernels (this project's previous version) read Z three times and 
 a [32 tokens, 64 features] tile of Z and dA (gathered rows, 128-byte contiguous), recomputes
 the forward mask along features, writes the dZ operand from the tile
 as it is, transposes the tile in registers and writes both token-dimension operands.
-Reference: `backward_operands_reference`, which the kernel must match bit for bit.
+Reference: `backward_operands_reference`, which the kernel must match bit for bit for finite
+inputs (NaN or Inf in dA, NaN in Z, and the sign of zeros made from a -0.0 in Z may differ: the
+kernel takes max(z, 0) where torch's relu can keep -0.0).
 
 A CUDA C++ version of the same pass (kernels/csrc/sp24_sparsify.cu, `make kernels`) is used
 instead when it is built: this Triton kernel is instruction-bound, because both 2:4 metadata
@@ -32,7 +34,7 @@ from torch import Tensor
 from model.sparse24 import mask_2to4
 
 from .cslt_layout import compress, compressed_numel
-from .native import KERNELS, kernels_usable, launch
+from .native import kernels_usable, launch, use_cuda
 from .sparsify24 import padded_rows, round_to_bf16, top2_of_4
 
 
@@ -69,8 +71,9 @@ def check_tokens_input(z: Tensor, da: Optional[Tensor]) -> int:
     T, Fh = z.shape
     if Fh % 64:
         raise ValueError(f"backward_operands needs the feature count to be a multiple of 64, got {Fh}")
-    if z.dtype != torch.bfloat16 or z.stride(1) != 1 or (da is not None and (da.shape != z.shape or da.stride(1) != 1)):
-        raise ValueError("backward_operands needs row-major bf16 z (and da of the same shape)")
+    if z.dtype != torch.bfloat16 or z.stride(1) != 1 or (da is not None and (
+            da.shape != z.shape or da.stride(1) != 1 or da.dtype != torch.bfloat16 or da.device != z.device)):
+        raise ValueError("backward_operands needs row-major bf16 z (and da of the same shape, dtype and device)")
     Tp = padded_tokens(T)
     if Tp * max(z.stride(0), Fh) >= 2**31:  # offsets: token * stride, feature * Tp
         raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
@@ -203,17 +206,15 @@ def _backward_operands_kernel(z_ptr, da_ptr, order_ptr, slot_ptr, dzv_ptr, dzm_p
                        gfull_ptr, band, kc, Tp)
 
 
-BACKENDS = ("auto", "triton", "cuda")
-
-
 def cuda_usable(z: Tensor, da: Tensor, reuse_forward_mask: bool = True) -> bool:
     """The CUDA kernel can run these inputs: built (make kernels), an sm80/sm90 GPU, the forward
-    mask re-used (the ablation without it is Triton's), 16-byte aligned rows."""
-    return reuse_forward_mask and kernels_usable(z, da)
+    mask re-used (the ablation without it is Triton's), 16-byte aligned rows, at most 65535
+    64-feature bands (the grid's y limit)."""
+    return reuse_forward_mask and z.shape[1] // 64 <= 65535 and kernels_usable(z, da)
 
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64, _P]
+_CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64]
 
 
 def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
@@ -223,18 +224,14 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     backend: "cuda" (kernels/csrc/sp24_sparsify.cu), "triton", or "auto": cuda where
     `cuda_usable`, else triton. bands, num_warps: the Triton launch; the defaults were the fastest
     of bands 1-8 x warps 4-16 on the H200 at 1B and 7B (benchmarks/RESULTS.md)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backward_operands: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     T, Fh = z.shape
     Tp = check_tokens_input(z, da)
     Tr = padded_rows(T)
     if Tr * max(Fh, da.stride(0)) >= 2**31:
         raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
-    use_cuda = backend == "cuda" or (backend == "auto" and cuda_usable(z, da, reuse_forward_mask))
-    if backend == "cuda" and not cuda_usable(z, da, reuse_forward_mask):
-        raise ValueError(f"backward_operands: backend 'cuda' needs {KERNELS.path()} (make kernels), an sm80/sm90 "
-                         "GPU, reuse_forward_mask=True and 16-byte aligned rows; backend 'triton' runs anywhere")
-    order = (perm if perm is not None else torch.arange(T, device=z.device)).to(torch.int32)
+    cuda = use_cuda(backend, lambda: cuda_usable(z, da, reuse_forward_mask), "backward_operands",
+                    "reuse_forward_mask=True and 16-byte aligned rows")
+    order = (perm if perm is not None else torch.arange(T, device=z.device)).to(z.device, torch.int32)
     slots, k = dense_slots(dense, Fh, z.device)
     # without the forward mask dZ is not 2:4 and the kernel writes no feature-dimension operand
     dz_buf = torch.empty(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, dtype=torch.bfloat16,
@@ -247,7 +244,7 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
         outs.append((torch.empty(compressed_numel(Fh, Tp), dtype=torch.bfloat16, device=z.device), full))
     (a_buf, a_full), (g_buf, g_full) = outs
     meta = lambda buf: buf[Fh * Tp // 2:].view(torch.int16)  # noqa: E731 - metadata words follow the values
-    if use_cuda:
+    if cuda:
         launch("sp24_backward_operands", _CUDA_ARGS, *(t.data_ptr() for t in (
             z, da, order, slots, dz_buf, dz_meta, a_buf, meta(a_buf), a_full, g_buf, meta(g_buf), g_full)),
             T, Tp, Tr, Fh, z.stride(0), da.stride(0), device=z.device)

@@ -128,8 +128,8 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
-    # the dense features' exact gradients go in right after each sparse GEMM, while much of its
-    # output is still in L2 (dW2's columns are scattered 2-byte writes)
+    # the dense features' exact gradients go in right after each sparse GEMM: meant to find part of
+    # its output still in L2 (dW2's columns are scattered 2-byte writes); not measured on its own
     dw2 = sparse_mm(s_a, dy_p, transpose_result=True)      # [d, F], no transpose pass
     if dense is not None:
         write_dense_features(None, dw2, dense, None, a_dense @ dy_p)

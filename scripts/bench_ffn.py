@@ -170,7 +170,7 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
 
 def backward_kernels(D: int, Fh: int, T: int) -> dict:
     """The backward's one-pass kernel, Triton against CUDA C++ (when built): equal output bytes,
-    and the time of each beside a bf16 copy of Z and of the pair (Z, dA) it reads."""
+    and the time of each beside a bf16 copy of Z."""
     torch.manual_seed(T + Fh)
     x = torch.randn(T, D, device="cuda", dtype=BF)
     z = F.linear(x, torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5)
@@ -295,7 +295,7 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled) -> dict:
 
     y_s, y_d = sparse_fw(), F.linear(F.relu(z).square() * mask_2to4(F.relu(z).square()), w2)
     r = {"shape": name, "T": T, "D": D, "F": Fh, "alg_id": alg, "fw_rel_err_vs_masked_dense": rel_err(y_s, y_d),
-         "sparsify_config": best,
+         "sparsify_triton_config": best,
          "sparsify_backend": "cuda" if sparsify_cuda_usable(z) else "triton",
          "copy_ms": bench(lambda: z.clone()), "sparsify_ms": bench(lambda: srelu_sparsify24(z)),
          "sparsify_triton_ms": bench(lambda: srelu_sparsify24(z, **best, backend="triton")),

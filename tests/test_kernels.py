@@ -387,6 +387,8 @@ def test_backward_operands_backend_errors_name_the_choices(monkeypatch, tmp_path
     z = random_z(32, 64, seed=1)
     with pytest.raises(ValueError, match="one of auto, triton, cuda"):
         backward_operands(z, z, None, None, backend="cutlass")
+    with pytest.raises(ValueError, match="same shape, dtype and device"):
+        backward_operands(z, z.float(), None, None)  # the CUDA kernel would read fp32 as bf16
     monkeypatch.setenv("SP24_KERNELS_LIB", str(tmp_path / "missing.so"))
     monkeypatch.setattr(KERNELS, "loaded", [])
     with pytest.raises(ValueError, match="make kernels"):

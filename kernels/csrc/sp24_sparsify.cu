@@ -3,7 +3,9 @@
 //
 // Same contracts as the Triton kernels `_srelu_sparsify24_kernel` (kernels/sparsify24.py, counts
 // on, no statistics totals) and `_backward_operands_kernel` (kernels/sparsify24_backward.py, the
-// forward mask re-used), and bit-identical to them and to their PyTorch references:
+// forward mask re-used), and bit-identical to them and to their PyTorch references for finite inputs
+// (where dA holds Inf or NaN, or Z is NaN, they may disagree: the kernels take max(z, 0), which drops
+// NaN, the Triton kernels' bf16 rounding turns NaN into -0.0, and this file's keys rank NaN highest):
 //
 //   forward   A24 compressed along features (cuSPARSELt's sm90 layout), kept non-zeros per feature
 //   backward  dZ compressed along features at the forward's 2:4 positions, rows in permuted order;
@@ -34,8 +36,9 @@ constexpr int kTok = 64;      // tokens per block: one 64-row band of dZ's opera
 constexpr int kFeat = 64;     // features per block: one 64-row band of the token-dimension operands
 constexpr int kThreads = 128;
 #ifndef SP24_BW_MIN_BLOCKS
-// blocks per SM the backward kernel's register budget must allow: 8 (64 registers, a 12-byte spill)
-// ran 0.75 ms at 7B on the H200, against 0.77-1.1 ms for 6, 5 and 1 (scripts/probe_cuda_kernels.py)
+// blocks per SM the backward kernel's register budget must allow: 8 (64 registers; with nvcc 13.0 no
+// spill on sm90, 16 bytes on sm80) ran 0.75 ms at 7B on the H200, against 0.77-1.1 ms for 6, 5 and 1
+// (scripts/probe_cuda_kernels.py)
 #define SP24_BW_MIN_BLOCKS 8
 #endif
 
