@@ -23,7 +23,8 @@
 //                (h, 16 features away) 2 lanes away (one shuffle). The backward puts its masked
 //                A24 and dZ tiles in shared memory.
 //   token pass   (backward) thread = 2 features {16c + a, 16c + 8 + a} x 32 tokens of one
-//                token-dimension operand: 4 whole metadata words, and 2 x 32 contiguous bytes of values.
+//                token-dimension operand: 4 whole metadata words, and 2 x 32 contiguous bytes of values
+//                (stored as whole 32-byte sectors together with the neighbouring lane).
 //
 // Build: make kernels (build/sp24_kernels.so); loaded by kernels/native.py through ctypes.
 #include <cuda_bf16.h>
@@ -35,9 +36,6 @@ namespace {
 constexpr int kTok = 64;      // tokens per block: one 64-row band of dZ's operand, two 32-token chunks
 constexpr int kFeat = 64;     // features per block: one 64-row band of the token-dimension operands
 constexpr int kThreads = 128;
-#ifndef SP24_PAIRED_STORES
-#define SP24_PAIRED_STORES 1  // token pass: lane pairs write whole 32-byte sectors (see the token pass)
-#endif
 #ifndef SP24_BW_MIN_BLOCKS
 // blocks per SM the backward kernel's register budget must allow: 8 (64 registers; with nvcc 13.0 no
 // spill on sm90, 16 bytes on sm80) ran 0.75 ms at 7B on the H200, against 0.77-1.1 ms for 6, 5 and 1
@@ -205,9 +203,9 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
       nib[b][g] = sel.nibble();
       out[g] = sel.pair(x[0], x[1], x[2], x[3]);
     }
-#if SP24_PAIRED_STORES
     // lanes a and a ^ 1 write the two 16-byte halves of one 32-byte sector per store (ncu showed L2
-    // throughput at 82% with each half its own request): the even lane's row first, then the odd's
+    // throughput at 82% with each half its own request; 0.67 vs 0.72 ms at 7B): the even lane's row
+    // first, then the odd's
     const bool odd = a & 1;
     uint32_t recv[4];
 #pragma unroll
@@ -219,11 +217,6 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
     const uint4 theirs = make_uint4(recv[0], recv[1], recv[2], recv[3]);
     *row_even = odd ? theirs : mine_lo;
     *row_odd = odd ? mine_hi : theirs;
-#else
-    uint4* dst = reinterpret_cast<uint4*>(val + feat * (Tp / 2) + (int64_t)kc * 16);
-    dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
-    dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
-#endif
   }
   uint32_t words[4];
 #pragma unroll
