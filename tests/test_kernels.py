@@ -19,6 +19,18 @@ def random_z(m: int, k: int, seed: int, device="cpu") -> torch.Tensor:
     return z.to(device)
 
 
+def assert_token_operands_equal(got, want) -> None:
+    """The two token-dimension operands of backward_operands (compressed buffer, dense rows), bit for bit."""
+    for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
+        assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
+
+
+def assert_operands_equal(got, want) -> None:
+    """All three operands of backward_operands (dZ's, then the token-dimension ones), bit for bit."""
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    assert_token_operands_equal(got, want)
+
+
 def test_layout_round_trip_and_size():
     a = (torch.relu(torch.randn(128, 96)) ** 2).bfloat16()
     keep = mask_2to4(a)
@@ -228,8 +240,7 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     else:
         assert got[0] is None and want[0] is None
-    for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
-        assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
+    assert_token_operands_equal(got, want)
 
 
 @pytest.mark.parametrize("bands", [2, 4])
@@ -241,9 +252,7 @@ def test_backward_operands_with_several_bands_per_program(bands):
     dense = torch.tensor([200, 3, 77])
     got = backward_operands(z, da, perm, dense, bands=bands)
     want = backward_operands_reference(z, da, perm, dense)
-    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
-    for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
-        assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
+    assert_operands_equal(got, want)
 
 
 def test_dz_operand_keeps_the_forward_positions():
@@ -330,9 +339,7 @@ def test_backward_operands_on_cuda_equal_reference(backend, t, f, n_dense, permu
     dense = torch.randperm(f, device="cuda")[:n_dense] if n_dense else None
     got = backward_operands(z, da, perm, dense, backend=backend)
     want = backward_operands_reference(z, da, perm, dense)
-    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
-    for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
-        assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
+    assert_operands_equal(got, want)
 
 
 @pytest.mark.gpu
@@ -347,9 +354,7 @@ def test_backward_operands_cuda_kernel_reads_strided_rows():
     dense = torch.tensor([7, 100], device="cuda")
     got = backward_operands(z, da, perm, dense, backend="cuda")
     want = backward_operands_reference(z, da, perm, dense)
-    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
-    for (buf, full), (want_buf, want_full) in zip(got[1:], want[1:]):
-        assert torch.equal(buf.view(torch.int16), want_buf.view(torch.int16)) and torch.equal(full, want_full)
+    assert_operands_equal(got, want)
 
 
 @pytest.mark.gpu
