@@ -148,9 +148,14 @@ def _setup_context(ctx, inputs, output):
     x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask = inputs
     _, z, counts, _ = output
     ctx.save_for_backward(x, w1, w2, z, counts)
+    # Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
+    # for Z before the backward, a 0.16 ms memset of [T, F] at 7B T=16384 (benchmarks/RESULTS.md)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts and the row do not
+    if dy is None:  # Y unused by the loss (grads are not materialised)
+        return None, None, None, None, None, None, None
     x, w1, w2, z, counts = ctx.saved_tensors
     dx, dw1, dw2 = srelu24_ffn_bwd(dy, x, w1, w2, z, counts, ctx.token_permutation, ctx.dense_feature_fraction,
                                    ctx.reuse_forward_mask)

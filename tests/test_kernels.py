@@ -425,3 +425,34 @@ def test_write_dense_features_equals_indexed_assignment(k, d, f):
     assert only1.count_nonzero() == g1.count_nonzero() and only2.count_nonzero() == g2.count_nonzero()
     with pytest.raises(ValueError, match="give dw1 with g1"):
         write_dense_features(dw1, None, dense, None, g2)
+
+
+def test_kernel_ffn_backward_fills_no_zero_gradient_for_z(monkeypatch):
+    """Only Y carries a gradient: autograd must not materialise a [T, F] zero gradient for the
+    op's Z output before the backward (a memset of the whole activation on every step)."""
+    import kernels.srelu24_ffn as K
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.sparse24 import Sparse24Recipe
+
+    _cslt_stand_in(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    T, d, f = 100, 64, 128
+    x = torch.randn(T, d, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(f, d, generator=g) / 8).bfloat16().requires_grad_()
+    w2 = (torch.randn(d, f, generator=g) / 11).bfloat16().requires_grad_()
+    fills = []
+
+    class RecordZeroFills(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] in ("zeros", "zeros_like", "new_zeros", "fill_", "zero_", "full",
+                                               "full_like") and isinstance(out, torch.Tensor) \
+                    and tuple(out.shape) == (T, f):
+                fills.append(func.__name__)
+            return out
+
+    y = K.srelu24_ffn_kernels(x, w1, w2, Sparse24Recipe(True, 0.05, True))
+    with RecordZeroFills():
+        y.float().square().sum().backward()
+    assert fills == [] and x.grad is not None and w1.grad is not None and w2.grad is not None
