@@ -218,9 +218,11 @@ _CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64]
 
 
 def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
-                      reuse_forward_mask: bool = True, bands: int = 1, num_warps: int = 8, backend: str = "auto"):
+                      reuse_forward_mask: bool = True, bands: int = 1, num_warps: int = 8, backend: str = "auto",
+                      slots: Optional[Tensor] = None):
     """Fused backward_operands_reference. z, da: [T, F] row-major bf16, F % 64 == 0; perm: [T]
-    token order (None: identity); dense: feature indices kept dense (None: none).
+    token order (None: identity); dense: feature indices kept dense (None: none); slots:
+    dense_slots(dense, F) where the caller has them already.
     backend: "cuda" (kernels/csrc/sp24_sparsify.cu), "triton", or "auto": cuda where
     `cuda_usable`, else triton. bands, num_warps: the Triton launch; the defaults were the fastest
     of bands 1-8 x warps 4-16 on the H200 at 1B and 7B (benchmarks/RESULTS.md)."""
@@ -232,7 +234,10 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     cuda = use_cuda(backend, lambda: cuda_usable(z, da, reuse_forward_mask), "backward_operands",
                     "reuse_forward_mask=True and 16-byte aligned rows")
     order = (perm if perm is not None else torch.arange(T, device=z.device)).to(z.device, torch.int32)
-    slots, k = dense_slots(dense, Fh, z.device)
+    if slots is None:
+        slots, k = dense_slots(dense, Fh, z.device)
+    else:
+        k = 0 if dense is None else dense.numel()
     # without the forward mask dZ is not 2:4 and the kernel writes no feature-dimension operand
     dz_buf = torch.empty(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, dtype=torch.bfloat16,
                          device=z.device)
@@ -260,41 +265,27 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
 
 
 @triton.jit
-def _write_dense_features_kernel(dw1_ptr, dw2_ptr, dense_ptr, g1_ptr, g2_ptr, k, D, F,
-                                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Program (block of dense features, block of d): dW1 rows (coalesced, ROWS) and dW2 columns (COLS)."""
-    j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ok = (j < k)[:, None] & (d < D)[None, :]
-    f = tl.load(dense_ptr + j, mask=j < k, other=0).to(tl.int64)
-    src = j[:, None] * D + d[None, :]
-    if ROWS:
-        tl.store(dw1_ptr + f[:, None] * D + d[None, :], tl.load(g1_ptr + src, mask=ok), mask=ok)
-    if COLS:
-        tl.store(dw2_ptr + d[None, :].to(tl.int64) * F + f[:, None], tl.load(g2_ptr + src, mask=ok), mask=ok)
+def _dense_columns_kernel(out_ptr, g_ptr, slot_ptr, D, F, k, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Program (block of d, block of features): out[d, f] = g[d, slot[f]] where slot[f] >= 0, else 0."""
+    d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    slot = tl.load(slot_ptr + f, mask=f < F, other=-1)
+    ok = (d < D)[:, None] & (f < F)[None, :]
+    v = tl.load(g_ptr + d[:, None] * k + slot[None, :], mask=ok & (slot >= 0)[None, :], other=0.0)
+    tl.store(out_ptr + d[:, None].to(tl.int64) * F + f[None, :], v, mask=ok)
 
 
-def write_dense_features(dw1: Optional[Tensor], dw2: Optional[Tensor], dense: Tensor, g1: Optional[Tensor],
-                         g2: Optional[Tensor]) -> None:
-    """dw1[dense] = g1 and dw2[:, dense] = g2^T, in place (dw1 [F, d], dw2 [d, F], g1 and g2 [k, d],
-    all contiguous); either pair (dw1, g1) or (dw2, g2) may be None, to write only the other.
-    torch's indexed assignment into dW2's columns took 0.2 ms at 7B."""
-    if (dw1 is None) != (g1 is None) or (dw2 is None) != (g2 is None) or (dw1 is None and dw2 is None):
-        raise ValueError("write_dense_features: give dw1 with g1, dw2 with g2, or both pairs")
-    g = g1 if g1 is not None else g2
-    k, D = g.shape
-    F_ = dw1.shape[0] if dw1 is not None else dw2.shape[1]
-    given = [t for t in (dw1, dw2, g1, g2) if t is not None]
-    if not all(t.is_contiguous() for t in given):
-        raise ValueError("write_dense_features needs contiguous tensors")
-    if ((dw1 is not None and (dw1.shape != (F_, D) or g1.shape != (k, D)))
-            or (dw2 is not None and (dw2.shape != (D, F_) or g2.shape != (k, D))) or dense.shape != (k,)):
-        raise ValueError(f"write_dense_features: shapes dw1 {None if dw1 is None else tuple(dw1.shape)}, dw2 "
-                         f"{None if dw2 is None else tuple(dw2.shape)}, dense {tuple(dense.shape)}, g1 "
-                         f"{None if g1 is None else tuple(g1.shape)}, g2 {None if g2 is None else tuple(g2.shape)} "
-                         "do not agree")
-    if k:
-        grid = (triton.cdiv(k, 32), triton.cdiv(D, 128))
-        _write_dense_features_kernel[grid](dw1 if dw1 is not None else dw2, dw2 if dw2 is not None else dw1, dense,
-                                           g1 if g1 is not None else g2, g2 if g2 is not None else g1, k, D, F_,
-                                           BLOCK_K=32, BLOCK_D=128, ROWS=dw1 is not None, COLS=dw2 is not None)
+def dense_columns(slots: Tensor, g: Tensor) -> Tensor:
+    """[d, F] bf16: column f is g[:, slots[f]] for the dense features (slots[f] >= 0, as
+    `dense_slots` numbers them), zeros elsewhere. g: [d, k] contiguous, the dense features' exact
+    dW2 columns. The FFN's dW2 GEMM then adds the sparse product onto it in its epilogue
+    (cuSPARSELt's beta = 1): one coalesced write of dW2 here instead of scattering 2-byte columns
+    into it after the GEMM (0.17 ms at 7B, T=16384: every 32-byte sector of dW2 was partly written)."""
+    (F_,), (D, k) = slots.shape, g.shape
+    if slots.dtype != torch.int32 or not g.is_contiguous() or slots.device != g.device:
+        raise ValueError("dense_columns needs int32 slots and a contiguous g on the same device, got "
+                         f"{slots.dtype} slots on {slots.device}, g {tuple(g.shape)} on {g.device}")
+    out = torch.empty(D, F_, dtype=g.dtype, device=g.device)
+    _dense_columns_kernel[(triton.cdiv(D, 32), triton.cdiv(F_, 128))](out, g, slots, D, F_, max(k, 1),
+                                                                     BLOCK_D=32, BLOCK_F=128)
+    return out

@@ -18,6 +18,8 @@ scripts/bench_sp24_gemm.py, benchmarks/RESULTS.md).
 
 Inputs in bf16 (the autocast dtype); tokens are padded to 64 for the sparse operands.
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -27,7 +29,7 @@ from model.stats import N_SUMS, sparse24_sums_from_counts
 
 from .cusparselt import cached_mm, torch_mm
 from .sparsify24 import srelu_sparsify24
-from .sparsify24_backward import backward_operands, padded_tokens, write_dense_features
+from .sparsify24_backward import backward_operands, dense_columns, dense_slots, padded_tokens
 
 
 def available(x: Tensor) -> bool:
@@ -44,11 +46,12 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 _ALG: dict = {}
 
 
-def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
+def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False, accumulate: Optional[Tensor] = None) -> Tensor:
     """A @ B with A compressed, through cuSPARSELt, with the algorithm found fastest by
     mm_search for this shape and layout (cached). An upstream issue reports wrong results for
     some algorithm ids, so a searched id is kept only if it matches the default's product.
-    transpose_result: (A @ B)^T [n, m] written directly (cuSPARSELt's column-major output)."""
+    transpose_result: (A @ B)^T [n, m] written directly (cuSPARSELt's column-major output).
+    accumulate: the product is added onto this tensor (of its shape), in place, and it is returned."""
     key = (tuple(a.shape), tuple(b.shape), b.stride(), transpose_result)
     if key not in _ALG:
         _ALG[key] = 0
@@ -61,8 +64,9 @@ def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
             pass  # no search in this build (or the CPU stand-in in tests): the default algorithm
     alg = _ALG[key]
     if a.is_cuda:  # plans cached: torch's op re-plans every call (~0.8 ms of host time)
-        return cached_mm(a, b, alg, transpose_result)
-    return torch_mm(a, b, alg, transpose_result)
+        return cached_mm(a, b, alg, transpose_result, accumulate)
+    product = torch_mm(a, b, alg, transpose_result)
+    return product if accumulate is None else accumulate.add_(product)
 
 
 def _check_bf16(op: str, **tensors: Tensor) -> None:
@@ -114,8 +118,10 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     da = dy @ w2                                           # [T, F] dense
     perm = random_token_order(T, x.device) if token_permutation else None
     dense = densest_from_counts(counts, dense_feature_fraction)
+    slots, _ = dense_slots(dense, z.shape[1], z.device)
     # one pass over Z and dA writes all three sparse operands (dZ's rows in permuted order)
-    dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(z, da, perm, dense, reuse_forward_mask)
+    dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(z, da, perm, dense, reuse_forward_mask,
+                                                                 slots=slots)
     if reuse_forward_mask:
         dx = sparse_mm(dz_buf, w1)[:T]
         if perm is not None:  # back to token order: a gather by the inverse (a scatter took 3x as long)
@@ -128,14 +134,13 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
-    # the dense features' exact gradients go in right after each sparse GEMM: meant to find part of
-    # its output still in L2 (dW2's columns are scattered 2-byte writes); not measured on its own
-    dw2 = sparse_mm(s_a, dy_p, transpose_result=True)      # [d, F], no transpose pass
-    if dense is not None:
-        write_dense_features(None, dw2, dense, None, a_dense @ dy_p)
+    if dense is None:
+        dw2 = sparse_mm(s_a, dy_p, transpose_result=True)  # [d, F], no transpose pass
+    else:  # the dense features' exact columns first, the sparse product added by the GEMM's epilogue
+        dw2 = sparse_mm(s_a, dy_p, transpose_result=True, accumulate=dense_columns(slots, dy_p.t() @ a_dense.t()))
     dw1 = sparse_mm(s_dz, x_p)                             # [F, d]
-    if dense is not None:
-        write_dense_features(dw1, None, dense, dz_dense @ x_p, None)
+    if dense is not None:  # their rows are zero in the sparse product: overwritten by the exact ones
+        dw1.index_copy_(0, dense, dz_dense @ x_p)
     return dx.contiguous(), dw1.contiguous(), dw2
 
 

@@ -401,30 +401,20 @@ def test_backward_operands_backend_errors_name_the_choices(monkeypatch, tmp_path
 
 
 @pytest.mark.parametrize("k,d,f", [(0, 64, 96), (5, 64, 96), (40, 200, 320)])
-def test_write_dense_features_equals_indexed_assignment(k, d, f):
-    """dW1's rows and dW2's columns of the dense features (k not a multiple of the block, d not
-    a multiple of 128); everything else untouched."""
-    from kernels.sparsify24_backward import write_dense_features
+def test_dense_columns_equal_indexed_assignment(k, d, f):
+    """dW2's starting value: the dense features' exact columns, zeros elsewhere (d not a multiple
+    of the block, F not a multiple of 128); wrong inputs are refused by name."""
+    from kernels.sparsify24_backward import dense_columns, dense_slots
 
     g = torch.Generator().manual_seed(k + d)
-    dw1, dw2 = torch.randn(f, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16()
     dense = torch.randperm(f, generator=g)[:k]
-    g1, g2 = torch.randn(k, d, generator=g).bfloat16(), torch.randn(k, d, generator=g).bfloat16()
-    want1, want2 = dw1.clone(), dw2.clone()
-    want1[dense] = g1
-    want2[:, dense] = g2.t()
-    write_dense_features(dw1, dw2, dense, g1, g2)
-    assert torch.equal(dw1, want1) and torch.equal(dw2, want2)
-    with pytest.raises(ValueError, match="do not agree"):
-        write_dense_features(dw1, dw2.t().contiguous(), dense, g1, g2)  # d != f in every case
-    # one side at a time, as the FFN's backward writes them (each right after its sparse GEMM)
-    only1, only2 = torch.zeros_like(dw1), torch.zeros_like(dw2)
-    write_dense_features(only1, None, dense, g1, None)
-    write_dense_features(None, only2, dense, None, g2)
-    assert torch.equal(only1[dense], g1) and torch.equal(only2[:, dense], g2.t())
-    assert only1.count_nonzero() == g1.count_nonzero() and only2.count_nonzero() == g2.count_nonzero()
-    with pytest.raises(ValueError, match="give dw1 with g1"):
-        write_dense_features(dw1, None, dense, None, g2)
+    g2 = torch.randn(d, k, generator=g).bfloat16()
+    want = torch.zeros(d, f).bfloat16()
+    want[:, dense] = g2
+    slots, n = dense_slots(dense if k else None, f, "cpu")
+    assert n == k and torch.equal(dense_columns(slots, g2), want)
+    with pytest.raises(ValueError, match="int32 slots and a contiguous g"):
+        dense_columns(slots.long(), g2)
 
 
 def test_kernel_ffn_backward_fills_no_zero_gradient_for_z(monkeypatch):
