@@ -121,20 +121,16 @@ class _Plan:
         ws = ctypes.c_size_t(0)
         lib.check("cusparseLtMatmulGetWorkspace", h, self.plan.ptr, ctypes.byref(ws))
         self.workspace_bytes = max(ws.value, 1)  # 32 MiB at the FFN's shapes on the H200
-        self.alpha, self.beta0, self.beta1 = ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_float(1.0)
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
-    def run(self, a: Tensor, b: Tensor, accumulate: Optional[Tensor] = None) -> Tensor:
-        """D = A B into a new tensor, or accumulate += A B in place (C = D, beta 1)."""
-        d = accumulate
-        if d is None:
-            shape = (self.n, self.m) if self.transpose_result else (self.m, self.n)
-            d = torch.empty(shape, dtype=torch.bfloat16, device=a.device)
+    def run(self, a: Tensor, b: Tensor) -> Tensor:
+        shape = (self.n, self.m) if self.transpose_result else (self.m, self.n)
+        d = torch.empty(shape, dtype=torch.bfloat16, device=a.device)
         # per call and stream-ordered, as torch's op does: no sharing between streams
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=a.device)
         stream = (ctypes.c_void_p * 1)(torch.cuda.current_stream(a.device).cuda_stream)
-        beta = self.beta0 if accumulate is None else self.beta1
         self.lib.check("cusparseLtMatmul", self.lib.handle.ptr, self.plan.ptr, ctypes.byref(self.alpha),
-                       a.data_ptr(), b.data_ptr(), ctypes.byref(beta), d.data_ptr(), d.data_ptr(),
+                       a.data_ptr(), b.data_ptr(), ctypes.byref(self.beta), d.data_ptr(), d.data_ptr(),
                        workspace.data_ptr(), stream, 1)
         return d
 
@@ -201,34 +197,19 @@ def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
     return None
 
 
-def _accumulated(accumulate: Optional[Tensor], product: Tensor) -> Tensor:
-    return product if accumulate is None else accumulate.add_(product)
-
-
-def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False,
-              accumulate: Optional[Tensor] = None) -> Tensor:
+def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) -> Tensor:
     """torch._cslt_sparse_mm(a, b, alg_id=alg, transpose_result=...) for a bf16 compressed A
     [m, 9k/16] on CUDA and a bf16 B [k, n] (row-major, or the transpose of a row-major matrix),
-    with the plan built once. transpose_result: the product comes back as (A B)^T, [n, m].
-    accumulate: a contiguous bf16 tensor of the product's shape; the product is added to it in
-    place by the GEMM's epilogue (beta = 1) and it is returned."""
+    with the plan built once. transpose_result: the product comes back as (A B)^T, [n, m]."""
     b_transposed = not b.is_contiguous()
     if b_transposed and not b.t().is_contiguous():
         b = b.contiguous()
         b_transposed = False
     m, (k, n) = a.shape[0], b.shape
-    if accumulate is not None and (tuple(accumulate.shape) != ((n, m) if transpose_result else (m, n))
-                                   or accumulate.dtype != torch.bfloat16 or not accumulate.is_contiguous()
-                                   or accumulate.device != a.device):
-        raise ValueError(f"cached_mm: accumulate must be a contiguous bf16 [{n if transpose_result else m}, "
-                         f"{m if transpose_result else n}] on {a.device}, got {accumulate.dtype} "
-                         f"{tuple(accumulate.shape)} on {accumulate.device}")
     idx = a.get_device()
     if (a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or not a.is_contiguous() or a.numel() * 16 != m * k * 9
-            or a.data_ptr() % 16 or b.data_ptr() % 16 or b.get_device() != idx or idx != torch.cuda.current_device()
-            or (accumulate is not None and accumulate.data_ptr() % 16)):
-        # not what the plans are built for: torch's op checks
-        return _accumulated(accumulate, torch_mm(a, b, alg, transpose_result))
+            or a.data_ptr() % 16 or b.data_ptr() % 16 or b.get_device() != idx or idx != torch.cuda.current_device()):
+        return torch_mm(a, b, alg, transpose_result)  # not what the plans are built for: torch's op checks
     key = (idx, m, k, n, b_transposed, alg, transpose_result)
     plan = _PLANS.get(key, False)
     if plan is False:
@@ -236,6 +217,4 @@ def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False,
             if key not in _PLANS:
                 _PLANS[key] = _new_plan(a, b, key)
             plan = _PLANS[key]
-    if plan is None:
-        return _accumulated(accumulate, torch_mm(a, b, alg, transpose_result))
-    return plan.run(a, b, accumulate)
+    return torch_mm(a, b, alg, transpose_result) if plan is None else plan.run(a, b)

@@ -265,27 +265,60 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
 
 
 @triton.jit
-def _dense_columns_kernel(out_ptr, g_ptr, slot_ptr, D, F, k, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-    """Program (block of d, block of features): out[d, f] = g[d, slot[f]] where slot[f] >= 0, else 0."""
+def _dense_rows_kernel(w_ptr, dense_ptr, g_ptr, k, D, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (block of dense features, block of d): w[dense[j], :] = g[j, :]."""
+    j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = (j < k)[:, None] & (d < D)[None, :]
+    f = tl.load(dense_ptr + j, mask=j < k, other=0).to(tl.int64)
+    tl.store(w_ptr + f[:, None] * D + d[None, :], tl.load(g_ptr + j[:, None] * D + d[None, :], mask=ok), mask=ok)
+
+
+@triton.jit
+def _dense_columns_kernel(w_ptr, slot_ptr, g_ptr, D, F, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Program (block of d, block of features): w[d, f] = g[slot[f], d] where slot[f] >= 0. Every
+    32-byte sector (16 features) holding a dense feature is read and written whole; the others are
+    not touched."""
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     slot = tl.load(slot_ptr + f, mask=f < F, other=-1)
-    ok = (d < D)[:, None] & (f < F)[None, :]
-    v = tl.load(g_ptr + d[:, None] * k + slot[None, :], mask=ok & (slot >= 0)[None, :], other=0.0)
-    tl.store(out_ptr + d[:, None].to(tl.int64) * F + f[None, :], v, mask=ok)
+    has = tl.max(tl.reshape((slot >= 0).to(tl.int32), [BLOCK_F // 16, 16]), axis=1)
+    sector = tl.reshape(tl.broadcast_to(has[:, None], [BLOCK_F // 16, 16]), [BLOCK_F]) > 0
+    touch = (d < D)[:, None] & (sector & (f < F))[None, :]
+    offs = d[:, None].to(tl.int64) * F + f[None, :]
+    cur = tl.load(w_ptr + offs, mask=touch)
+    new = tl.load(g_ptr + slot[None, :].to(tl.int64) * D + d[:, None], mask=touch & (slot >= 0)[None, :])
+    tl.store(w_ptr + offs, tl.where((slot >= 0)[None, :], new, cur), mask=touch)
 
 
-def dense_columns(slots: Tensor, g: Tensor) -> Tensor:
-    """[d, F] bf16: column f is g[:, slots[f]] for the dense features (slots[f] >= 0, as
-    `dense_slots` numbers them), zeros elsewhere. g: [d, k] contiguous, the dense features' exact
-    dW2 columns. The FFN's dW2 GEMM then adds the sparse product onto it in its epilogue
-    (cuSPARSELt's beta = 1): one coalesced write of dW2 here instead of scattering 2-byte columns
-    into it after the GEMM (0.17 ms at 7B, T=16384: every 32-byte sector of dW2 was partly written)."""
-    (F_,), (D, k) = slots.shape, g.shape
-    if slots.dtype != torch.int32 or not g.is_contiguous() or slots.device != g.device:
-        raise ValueError("dense_columns needs int32 slots and a contiguous g on the same device, got "
-                         f"{slots.dtype} slots on {slots.device}, g {tuple(g.shape)} on {g.device}")
-    out = torch.empty(D, F_, dtype=g.dtype, device=g.device)
-    _dense_columns_kernel[(triton.cdiv(D, 32), triton.cdiv(F_, 128))](out, g, slots, D, F_, max(k, 1),
-                                                                     BLOCK_D=32, BLOCK_F=128)
-    return out
+def _check_dense_write(name: str, w: Tensor, index: Tensor, g: Tensor, want_w: tuple, want_index: tuple) -> None:
+    if not (w.is_contiguous() and g.is_contiguous()) or w.dtype != g.dtype or not (w.device == index.device == g.device):
+        raise ValueError(f"{name} needs contiguous tensors of one dtype on one device, got {w.dtype} {w.device} and "
+                         f"{g.dtype} {g.device}, index on {index.device}")
+    if tuple(w.shape) != want_w or tuple(index.shape) != want_index:
+        raise ValueError(f"{name}: shapes {tuple(w.shape)} (weight gradient), {tuple(index.shape)} (index) and "
+                         f"{tuple(g.shape)} (dense-feature gradients [k, d]) do not agree")
+
+
+def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor) -> None:
+    """dw1[dense] = g in place (dw1 [F, d], g [k, d], dense [k] feature indices): dW1's rows of
+    the dense features, zero in the sparse product, get their exact values."""
+    k, D = g.shape
+    _check_dense_write("write_dense_rows", dw1, dense, g, (dw1.shape[0], D), (k,))
+    if k:
+        _dense_rows_kernel[(triton.cdiv(k, 32), triton.cdiv(D, 128))](dw1, dense, g, k, D, BLOCK_K=32, BLOCK_D=128)
+
+
+def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor) -> None:
+    """dw2[:, f] = g[slots[f]] in place for every f with slots[f] >= 0 (dw2 [d, F], g [k, d], slots
+    [F] int32 as `dense_slots` numbers them): dW2's columns of the dense features. Scattering the
+    2-byte columns took 0.17 ms at 7B, T=16384 (each 32-byte sector of dW2 partly written, so read
+    and written again by the memory); this reads and writes the sectors that hold a dense feature,
+    whole."""
+    k, D = g.shape
+    _check_dense_write("write_dense_columns", dw2, slots, g, (D, slots.shape[0]), (dw2.shape[1],))
+    if slots.dtype != torch.int32:
+        raise ValueError(f"write_dense_columns needs int32 slots (dense_slots), got {slots.dtype}")
+    if k:
+        _dense_columns_kernel[(triton.cdiv(D, 32), triton.cdiv(slots.shape[0], 128))](
+            dw2, slots, g, D, slots.shape[0], BLOCK_D=32, BLOCK_F=128)

@@ -24,7 +24,8 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.cslt_layout import decompress  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_bwd, srelu24_ffn_fwd, srelu24_ffn_kernels  # noqa: E402
-from kernels.sparsify24_backward import backward_operands, cuda_usable, dense_columns, dense_slots  # noqa: E402
+from kernels.sparsify24_backward import (backward_operands, cuda_usable, dense_slots, write_dense_columns,  # noqa: E402
+                                         write_dense_rows)
 from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
 from kernels.sparsify24 import cuda_usable as sparsify_cuda_usable  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
@@ -137,10 +138,9 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
     Tp = s_a.shape[1] * 16 // 9
     dy_p, x_p = F.pad(dy[perm], (0, 0, 0, Tp - T)), F.pad(x[perm], (0, 0, 0, Tp - T))
     dx_p = sparse_mm(dzb, w1)[:T]
-    dw1 = torch.empty_like(w1)
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
     slots, _ = dense_slots(dense, Fh, "cuda")
-    a_dense_t, dz_dense = dy_p.t() @ a_d.t(), dz_d @ x_p
-    dw2 = dense_columns(slots, a_dense_t)
+    a_dense, dz_dense = a_d @ dy_p, dz_d @ x_p
 
     def orders():
         p = random_token_order(T, "cuda")
@@ -160,12 +160,11 @@ def breakdown(D: int, Fh: int, T: int) -> dict:
         "bw: dX = dZ W1 (sparse)": lambda: sparse_mm(dzb, w1),
         "bw: dX rows back to token order": lambda: dx_p.index_select(0, inverse),
         "bw: permute dY and X": lambda: (dy[perm], x[perm]),
-        "bw: dW2 (sparse) added onto the dense features' columns": lambda: sparse_mm(
-            s_a, dy_p, transpose_result=True, accumulate=dw2),
+        "bw: dW2 (sparse), written as [d, F]": lambda: sparse_mm(s_a, dy_p, transpose_result=True),
         "bw: dW1 (sparse)": lambda: sparse_mm(s_dz, x_p),
-        "bw: dense-feature GEMMs": lambda: (dy_p.t() @ a_d.t(), dz_d @ x_p),
-        "bw: the dense features' columns of dW2 (zeros elsewhere)": lambda: dense_columns(slots, a_dense_t),
-        "bw: the dense features' rows into dW1": lambda: dw1.index_copy_(0, dense, dz_dense),
+        "bw: dense-feature GEMMs": lambda: (a_d @ dy_p, dz_d @ x_p),
+        "bw: the dense features' columns of dW2 and rows of dW1": lambda: (
+            write_dense_columns(dw2, slots, a_dense), write_dense_rows(dw1, dense, dz_dense)),
         "bw: permutation, its inverse, feature sort": orders,
     }
     return {k: bench(fn) for k, fn in parts.items()}

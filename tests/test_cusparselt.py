@@ -43,7 +43,7 @@ class _FakePlan:
             raise ValueError("plan init failed")
         self.product = product
 
-    def run(self, a, b, accumulate=None):
+    def run(self, a, b):
         return self.product(a, b)
 
     def destroy(self):
@@ -121,38 +121,3 @@ def test_inputs_the_plans_are_not_built_for_go_to_torchs_op(fresh_cache):
     planned = set(C._PLANS)
     C.cached_mm(a.view(torch.float16), strided.contiguous().view(torch.float16), 0)
     assert set(C._PLANS) == planned  # the fp16 call went straight to torch's op
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("transpose_result", [False, True])
-def test_cached_plan_accumulates_in_place(fresh_cache, transpose_result):
-    """accumulate: C + A B written over C by the GEMM's epilogue (beta 1, fp32 sum rounded once),
-    the plan shared with the plain product; a C of the wrong shape is refused by name."""
-    from kernels.sparsify24 import srelu_sparsify24
-
-    m, k, n = 4032, 1024, 256
-    a, _ = srelu_sparsify24(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    c = torch.randn((n, m) if transpose_result else (m, n), device="cuda", dtype=torch.bfloat16)
-    want = c.float() + C.torch_mm(a, b, 0, transpose_result).float()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        got = C.cached_mm(a, b, 0, transpose_result, accumulate=c)
-    assert got.data_ptr() == c.data_ptr() and len(C._PLANS) == 1
-    assert ((got.float() - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all()
-    with pytest.raises(ValueError, match="accumulate must be a contiguous bf16"):
-        C.cached_mm(a, b, 0, transpose_result, accumulate=c.t())
-
-
-def test_accumulate_on_the_fallback_path_adds_in_place(monkeypatch):
-    """Where no plan is used (here: A not of a compressed operand's size), torch's product is
-    added to `accumulate`."""
-    product = torch.randn(64, 32).bfloat16()
-    monkeypatch.setattr(torch, "_cslt_sparse_mm", lambda a, b, **kw: product, raising=False)
-    a, b = torch.randn(64, 40).bfloat16(), torch.randn(64, 32).bfloat16()
-    c = torch.randn(64, 32).bfloat16()
-    want = c + product
-    got = C.cached_mm(a, b, 0, accumulate=c)
-    assert got is c and torch.equal(got, want)
-    with pytest.raises(ValueError, match=r"accumulate must be a contiguous bf16 \[64, 32\]"):
-        C.cached_mm(a, b, 0, accumulate=torch.zeros(32, 64).bfloat16())

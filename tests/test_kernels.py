@@ -400,21 +400,30 @@ def test_backward_operands_backend_errors_name_the_choices(monkeypatch, tmp_path
         backward_operands(z, z, None, None, backend="cuda")  # a CPU tensor, and no library
 
 
-@pytest.mark.parametrize("k,d,f", [(0, 64, 96), (5, 64, 96), (40, 200, 320)])
-def test_dense_columns_equal_indexed_assignment(k, d, f):
-    """dW2's starting value: the dense features' exact columns, zeros elsewhere (d not a multiple
-    of the block, F not a multiple of 128); wrong inputs are refused by name."""
-    from kernels.sparsify24_backward import dense_columns, dense_slots
+@pytest.mark.parametrize("k,d,f", [(0, 64, 96), (5, 64, 96), (40, 200, 320), (3, 16, 1000)])
+def test_dense_rows_and_columns_equal_indexed_assignment(k, d, f):
+    """dW1's rows and dW2's columns of the dense features (k not a multiple of the block, d not a
+    multiple of 32, F not of 128); everything else, including the rest of each touched 32-byte
+    sector, untouched; inputs that do not agree are refused by name."""
+    from kernels.sparsify24_backward import dense_slots, write_dense_columns, write_dense_rows
 
     g = torch.Generator().manual_seed(k + d)
+    dw1, dw2 = torch.randn(f, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16()
     dense = torch.randperm(f, generator=g)[:k]
-    g2 = torch.randn(d, k, generator=g).bfloat16()
-    want = torch.zeros(d, f).bfloat16()
-    want[:, dense] = g2
+    g1, g2 = torch.randn(k, d, generator=g).bfloat16(), torch.randn(k, d, generator=g).bfloat16()
+    want1, want2 = dw1.clone(), dw2.clone()
+    want1[dense] = g1
+    want2[:, dense] = g2.t()
     slots, n = dense_slots(dense if k else None, f, "cpu")
-    assert n == k and torch.equal(dense_columns(slots, g2), want)
-    with pytest.raises(ValueError, match="int32 slots and a contiguous g"):
-        dense_columns(slots.long(), g2)
+    write_dense_rows(dw1, dense, g1)
+    write_dense_columns(dw2, slots, g2)
+    assert n == k and torch.equal(dw1, want1) and torch.equal(dw2, want2)
+    with pytest.raises(ValueError, match="do not agree"):
+        write_dense_columns(dw2.t().contiguous(), slots, g2)  # d != f in every case
+    with pytest.raises(ValueError, match="do not agree"):
+        write_dense_rows(dw1, dense, g1[:, :-1].contiguous())
+    with pytest.raises(ValueError, match="int32 slots"):
+        write_dense_columns(dw2, slots.long(), g2)
 
 
 def test_kernel_ffn_backward_fills_no_zero_gradient_for_z(monkeypatch):
