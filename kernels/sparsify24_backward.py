@@ -275,7 +275,8 @@ def _dense_rows_kernel(w_ptr, dense_ptr, g_ptr, k, D, BLOCK_K: tl.constexpr, BLO
 
 
 @triton.jit
-def _dense_columns_kernel(w_ptr, slot_ptr, g_ptr, D, F, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+def _dense_columns_kernel(w_ptr, slot_ptr, g_ptr, D, F, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+                          WHOLE: tl.constexpr):
     """Program (block of d, block of features): w[d, f] = g[slot[f], d] where slot[f] >= 0. Every
     32-byte sector (16 features) holding a dense feature is read and written whole; the others are
     not touched."""
@@ -284,7 +285,7 @@ def _dense_columns_kernel(w_ptr, slot_ptr, g_ptr, D, F, BLOCK_D: tl.constexpr, B
     slot = tl.load(slot_ptr + f, mask=f < F, other=-1)
     has = tl.max(tl.reshape((slot >= 0).to(tl.int32), [BLOCK_F // 16, 16]), axis=1)
     sector = tl.reshape(tl.broadcast_to(has[:, None], [BLOCK_F // 16, 16]), [BLOCK_F]) > 0
-    touch = (d < D)[:, None] & (sector & (f < F))[None, :]
+    touch = (d < D)[:, None] & ((sector | WHOLE) & (f < F))[None, :]
     offs = d[:, None].to(tl.int64) * F + f[None, :]
     cur = tl.load(w_ptr + offs, mask=touch)
     new = tl.load(g_ptr + slot[None, :].to(tl.int64) * D + d[:, None], mask=touch & (slot >= 0)[None, :])
@@ -309,7 +310,7 @@ def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor) -> None:
         _dense_rows_kernel[(triton.cdiv(k, 32), triton.cdiv(D, 128))](dw1, dense, g, k, D, BLOCK_K=32, BLOCK_D=128)
 
 
-def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor) -> None:
+def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor, whole: bool = False) -> None:
     """dw2[:, f] = g[slots[f]] in place for every f with slots[f] >= 0 (dw2 [d, F], g [k, d], slots
     [F] int32 as `dense_slots` numbers them): dW2's columns of the dense features. Scattering the
     2-byte columns took 0.17 ms at 7B, T=16384 (each 32-byte sector of dW2 partly written, so read
@@ -321,4 +322,4 @@ def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor) -> None:
         raise ValueError(f"write_dense_columns needs int32 slots (dense_slots), got {slots.dtype}")
     if k:
         _dense_columns_kernel[(triton.cdiv(D, 32), triton.cdiv(slots.shape[0], 128))](
-            dw2, slots, g, D, slots.shape[0], BLOCK_D=32, BLOCK_F=128)
+            dw2, slots, g, D, slots.shape[0], BLOCK_D=32, BLOCK_F=128, WHOLE=whole)
