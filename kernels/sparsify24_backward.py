@@ -275,21 +275,16 @@ def _dense_rows_kernel(w_ptr, dense_ptr, g_ptr, k, D, BLOCK_K: tl.constexpr, BLO
 
 
 @triton.jit
-def _dense_columns_kernel(w_ptr, slot_ptr, g_ptr, D, F, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-                          WHOLE: tl.constexpr):
-    """Program (block of d, block of features): w[d, f] = g[slot[f], d] where slot[f] >= 0. Every
-    32-byte sector (16 features) holding a dense feature is read and written whole; the others are
-    not touched."""
+def _dense_columns_kernel(w_ptr, slot_ptr, g_ptr, D, F, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Program (block of d, block of features): w[d, f] = g[slot[f], d] where slot[f] >= 0; the
+    block is read and written whole."""
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     slot = tl.load(slot_ptr + f, mask=f < F, other=-1)
-    has = tl.max(tl.reshape((slot >= 0).to(tl.int32), [BLOCK_F // 16, 16]), axis=1)
-    sector = tl.reshape(tl.broadcast_to(has[:, None], [BLOCK_F // 16, 16]), [BLOCK_F]) > 0
-    touch = (d < D)[:, None] & ((sector | WHOLE) & (f < F))[None, :]
+    ok = (d < D)[:, None] & (f < F)[None, :]
     offs = d[:, None].to(tl.int64) * F + f[None, :]
-    cur = tl.load(w_ptr + offs, mask=touch)
-    new = tl.load(g_ptr + slot[None, :].to(tl.int64) * D + d[:, None], mask=touch & (slot >= 0)[None, :])
-    tl.store(w_ptr + offs, tl.where((slot >= 0)[None, :], new, cur), mask=touch)
+    new = tl.load(g_ptr + slot[None, :].to(tl.int64) * D + d[:, None], mask=ok & (slot >= 0)[None, :])
+    tl.store(w_ptr + offs, tl.where((slot >= 0)[None, :], new, tl.load(w_ptr + offs, mask=ok)), mask=ok)
 
 
 def _check_dense_write(name: str, w: Tensor, index: Tensor, g: Tensor, want_w: tuple, want_index: tuple) -> None:
@@ -310,16 +305,16 @@ def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor) -> None:
         _dense_rows_kernel[(triton.cdiv(k, 32), triton.cdiv(D, 128))](dw1, dense, g, k, D, BLOCK_K=32, BLOCK_D=128)
 
 
-def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor, whole: bool = False) -> None:
+def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor) -> None:
     """dw2[:, f] = g[slots[f]] in place for every f with slots[f] >= 0 (dw2 [d, F], g [k, d], slots
     [F] int32 as `dense_slots` numbers them): dW2's columns of the dense features. Scattering the
-    2-byte columns took 0.17 ms at 7B, T=16384 (each 32-byte sector of dW2 partly written, so read
-    and written again by the memory); this reads and writes the sectors that hold a dense feature,
-    whole."""
+    2-byte columns took 0.20 ms at 7B (torch's indexed assignment; 0.17 ms in a Triton scatter),
+    rewriting only the 32-byte sectors that hold one 0.146 ms; this reads and writes all of dW2
+    with whole lines, 0.077 ms (a copy of dW2 takes 0.068; benchmarks/RESULTS.md)."""
     k, D = g.shape
     _check_dense_write("write_dense_columns", dw2, slots, g, (D, slots.shape[0]), (dw2.shape[1],))
     if slots.dtype != torch.int32:
         raise ValueError(f"write_dense_columns needs int32 slots (dense_slots), got {slots.dtype}")
     if k:
         _dense_columns_kernel[(triton.cdiv(D, 32), triton.cdiv(slots.shape[0], 128))](
-            dw2, slots, g, D, slots.shape[0], BLOCK_D=32, BLOCK_F=128, WHOLE=whole)
+            dw2, slots, g, D, slots.shape[0], BLOCK_D=32, BLOCK_F=128)
