@@ -49,24 +49,15 @@ def densest_features(a: Tensor, fraction: float) -> Optional[Tensor]:
 
 def densest_from_counts(counts: Tensor, fraction: float) -> Optional[Tensor]:
     """The `fraction` of features with the highest `counts` (non-zeros per feature), None if none."""
-    F_ = counts.shape[0]
-    k = int(round(fraction * F_))
+    k = int(round(fraction * counts.shape[0]))
     if k <= 0:
         return None
-    # highest counts first, ties to the lower feature index (as a stable sort of -counts): the
-    # keys are distinct, so top-k returns exactly that order without sorting all F counts
-    key = counts.to(torch.int64) * F_ + torch.arange(F_ - 1, -1, -1, device=counts.device)
-    return torch.topk(key, k, sorted=True).indices
+    # stable sort on -counts: ties go to the lower feature index
+    return torch.sort(-counts, stable=True).indices[:k]
 
 
 def random_token_order(T: int, device) -> Tensor:
-    """The random token order of the weight gradients' 2:4 along tokens (one per backward). For
-    a GPU it is drawn on the host (torch's CPU generator) and copied without waiting: the GPU's
-    randperm is a radix sort of random keys, 9 kernels and 0.08 ms at T=16384 on the H200. Under
-    CUDA graph capture it is drawn on the GPU (a captured copy would replay one order forever)."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        return torch.randperm(T, pin_memory=True).to(device, non_blocking=True)
+    """The random token order of the weight gradients' 2:4 along tokens (one per backward)."""
     return torch.randperm(T, device=device)
 
 
