@@ -69,6 +69,7 @@ def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
 
 
 _SIDE: dict = {}  # device index -> the side stream
+SIDE_STREAM = True  # False: everything on the current stream (scripts/probe_overlap.py compares both)
 
 
 def _fork(device: torch.device) -> Optional[torch.cuda.Stream]:
@@ -76,7 +77,7 @@ def _fork(device: torch.device) -> Optional[torch.cuda.Stream]:
     current stream; None off CUDA. Small kernels on it fill SMs that a GEMM on the current stream
     leaves idle, mostly in its tail: scripts/probe_overlap.py measured 0.054 ms saved for the index
     work beside dA = dY W2 and 0.035 ms for the row gathers beside dX = dZ W1 at 7B, T=16384."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not SIDE_STREAM:
         return None
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SIDE:
