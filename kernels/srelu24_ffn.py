@@ -18,9 +18,6 @@ scripts/bench_sp24_gemm.py, benchmarks/RESULTS.md).
 
 Inputs in bf16 (the autocast dtype); tokens are padded to 64 for the sparse operands.
 """
-from contextlib import nullcontext
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -66,40 +63,6 @@ def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
     if a.is_cuda:  # plans cached: torch's op re-plans every call (~0.8 ms of host time)
         return cached_mm(a, b, alg, transpose_result)
     return torch_mm(a, b, alg, transpose_result)
-
-
-_SIDE: dict = {}  # device index -> the side stream
-SIDE_STREAM = True  # False: everything on the current stream (scripts/probe_overlap.py compares both)
-
-
-def _fork(device: torch.device) -> Optional[torch.cuda.Stream]:
-    """A high-priority side stream (one per device), ordered after the work enqueued so far on the
-    current stream; None off CUDA. Small kernels on it fill SMs that a GEMM on the current stream
-    leaves idle, mostly in its tail: scripts/probe_overlap.py measured 0.054 ms saved for the index
-    work beside dA = dY W2 and 0.035 ms for the row gathers beside dX = dZ W1 at 7B, T=16384."""
-    if device.type != "cuda" or not SIDE_STREAM:
-        return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE:
-        _SIDE[idx] = torch.cuda.Stream(device=idx, priority=-1)
-    _SIDE[idx].wait_stream(torch.cuda.current_stream(idx))
-    return _SIDE[idx]
-
-
-def _on(side: Optional[torch.cuda.Stream]):
-    return torch.cuda.stream(side) if side is not None else nullcontext()
-
-
-def _join(side: Optional[torch.cuda.Stream], *made: Optional[Tensor]) -> None:
-    """The current stream waits for the side stream; tensors made there are marked as used here,
-    so that the caching allocator does not hand their memory to the side stream too early."""
-    if side is None:
-        return
-    main = torch.cuda.current_stream(side.device)
-    main.wait_stream(side)
-    for t in made:
-        if t is not None:
-            t.record_stream(main)
 
 
 def _check_bf16(op: str, **tensors: Tensor) -> None:
@@ -148,33 +111,25 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     _check_bf16("srelu24_ffn_bwd", x=x, w1=w1, w2=w2, z=z)
     T = x.shape[0]
     dy = dy.to(torch.bfloat16).contiguous()
-    side = _fork(x.device)  # the index work runs beside the dA GEMM
-    with _on(side):
-        perm = random_token_order(T, x.device) if token_permutation else None
-        dense = densest_from_counts(counts, dense_feature_fraction)
-        slots, _ = dense_slots(dense, z.shape[1], z.device)
     da = dy @ w2                                           # [T, F] dense
-    _join(side, perm, dense, slots)
+    perm = random_token_order(T, x.device) if token_permutation else None
+    dense = densest_from_counts(counts, dense_feature_fraction)
+    slots, _ = dense_slots(dense, z.shape[1], z.device)
     # one pass over Z and dA writes all three sparse operands (dZ's rows in permuted order)
     dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(z, da, perm, dense, reuse_forward_mask,
                                                                  slots=slots)
-    Tp = padded_tokens(T)
-    side = _fork(x.device)  # the row gathers run beside the dX GEMM (after the pass above)
-    with _on(side):
-        dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
-        x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
-        inverse = None
-        if perm is not None and reuse_forward_mask:
-            inverse = torch.empty_like(perm)
-            inverse[perm] = torch.arange(T, device=perm.device)
     if reuse_forward_mask:
         dx = sparse_mm(dz_buf, w1)[:T]
+        if perm is not None:  # back to token order: a gather by the inverse (a scatter took 3x as long)
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(T, device=perm.device)
+            dx = dx.index_select(0, inverse)
     else:  # dZ is not 2:4 then: a dense GEMM (the ablation, not the fast path)
         dx = (da * (2 * F.relu(z))) @ w1
-    _join(side, dy_p, x_p, inverse)
-    if inverse is not None:  # dX's rows back to token order: a gather (a scatter took 3x as long)
-        dx = dx.index_select(0, inverse)
 
+    Tp = padded_tokens(T)
+    dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
+    x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
     dw2 = sparse_mm(s_a, dy_p, transpose_result=True)      # [d, F], no transpose pass
     if dense is not None:  # zero in the sparse product: the dense features' exact columns
         write_dense_columns(dw2, slots, a_dense @ dy_p)

@@ -7,8 +7,12 @@ run beside: the GEMM alone, the GEMM followed by the work on the same stream, an
 side stream of high or of normal priority, concurrent with the GEMM (the caller waits for
 both). The small work is either the index work (token permutation, dense-feature sort and
 slots, inverse permutation) or the row gathers of dY and X. A GEMM that holds every SM for its
-whole length (a persistent kernel) leaves the side stream nothing until its tail. Then the
-whole FFN fw+bw with the side stream on and off (kernels.srelu24_ffn.SIDE_STREAM), alternating.
+whole length (a persistent kernel) leaves the side stream nothing until its tail.
+
+Session 6 put both beside their GEMMs in the FFN's backward (high priority, 0.03-0.07 ms each
+here) and took it out again: over five alternating fw+bw measurements at 7B, T=16384 the FFN
+was no faster with it (median 17.20 ms on, 17.01 off; each spread 0.6-0.8 ms), while a second
+stream and the allocator's cross-stream bookkeeping are a risk in training (benchmarks/RESULTS.md).
 """
 import argparse
 import json
@@ -25,30 +29,6 @@ from kernels.sparsify24 import srelu_sparsify24  # noqa: E402
 from kernels.sparsify24_backward import backward_operands, dense_slots  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm  # noqa: E402
 from model.sparse24 import densest_from_counts, random_token_order  # noqa: E402
-
-
-def ffn_with_and_without_side_stream(x, dy, w1, w2, bench, rounds: int = 5) -> dict:
-    """The whole srelu24 fw+bw with kernels.srelu24_ffn.SIDE_STREAM on and off, `rounds` times
-    each, alternating (the machine's clock drifts between calls)."""
-    import kernels.srelu24_ffn as K
-    from model.sparse24 import Sparse24Recipe
-
-    xg, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
-
-    def run():
-        xg.grad = a.grad = b.grad = None
-        K.srelu24_ffn_kernels(xg, a, b, Sparse24Recipe()).backward(dy)
-
-    out = {"on": [], "off": []}
-    try:
-        for _ in range(rounds):
-            for mode in ("on", "off"):
-                K.SIDE_STREAM = mode == "on"
-                out[mode].append(round(bench(run), 4))
-    finally:
-        K.SIDE_STREAM = True
-    out["median_on"], out["median_off"] = (sorted(out[m])[rounds // 2] for m in ("on", "off"))
-    return out
 
 
 def main() -> int:
@@ -113,13 +93,9 @@ def main() -> int:
     for r in rows:
         print(f"| {r['gemm']} | {r['work']} | {r['work_alone_ms']:.3f} | {r['gemm_alone_ms']:.3f} | {r['serial_ms']:.3f} "
               f"| {r['side_high_ms']:.3f} | {r['side_normal_ms']:.3f} | {r['saved_ms_best']:.3f} |")
-    ffn = ffn_with_and_without_side_stream(x, dy, w1, w2, bench)
-    print("\nthe srelu24 FFN's fw+bw (ms), side stream on and off, alternating: "
-          + ", ".join(f"{k} {v}" for k, v in ffn.items()))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "ffn_fwbw": ffn},
-                                       indent=1))
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     return 0
 
 
