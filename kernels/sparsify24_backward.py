@@ -236,8 +236,13 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     order = (perm if perm is not None else torch.arange(T, device=z.device)).to(z.device, torch.int32)
     if slots is None:
         slots, k = dense_slots(dense, Fh, z.device)
-    else:
-        k = 0 if dense is None else dense.numel()
+    else:  # the kernels write k dense rows by it: it must be dense_slots(dense, F) (not checked: data)
+        if dense is None or tuple(slots.shape) != (Fh,) or slots.dtype != torch.int32 or not slots.is_contiguous() \
+                or slots.device != z.device:
+            raise ValueError(f"backward_operands: slots must be dense_slots(dense, {Fh}) (int32 [{Fh}] on {z.device}, "
+                             f"with dense given), got {slots.dtype} {tuple(slots.shape)} on {slots.device}"
+                             f"{' and dense None' if dense is None else ''}")
+        k = dense.numel()
     # without the forward mask dZ is not 2:4 and the kernel writes no feature-dimension operand
     dz_buf = torch.empty(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, dtype=torch.bfloat16,
                          device=z.device)
@@ -271,7 +276,8 @@ def _dense_rows_kernel(w_ptr, dense_ptr, g_ptr, k, D, BLOCK_K: tl.constexpr, BLO
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (j < k)[:, None] & (d < D)[None, :]
     f = tl.load(dense_ptr + j, mask=j < k, other=0).to(tl.int64)
-    tl.store(w_ptr + f[:, None] * D + d[None, :], tl.load(g_ptr + j[:, None] * D + d[None, :], mask=ok), mask=ok)
+    src = j[:, None].to(tl.int64) * D + d[None, :]
+    tl.store(w_ptr + f[:, None] * D + d[None, :], tl.load(g_ptr + src, mask=ok), mask=ok)
 
 
 @triton.jit
@@ -288,9 +294,11 @@ def _dense_columns_kernel(w_ptr, slot_ptr, g_ptr, D, F, BLOCK_D: tl.constexpr, B
 
 
 def _check_dense_write(name: str, w: Tensor, index: Tensor, g: Tensor, want_w: tuple, want_index: tuple) -> None:
-    if not (w.is_contiguous() and g.is_contiguous()) or w.dtype != g.dtype or not (w.device == index.device == g.device):
-        raise ValueError(f"{name} needs contiguous tensors of one dtype on one device, got {w.dtype} {w.device} and "
-                         f"{g.dtype} {g.device}, index on {index.device}")
+    tensors = {"the weight gradient": w, "the index": index, "the dense-feature gradients": g}
+    bad = [k for k, t in tensors.items() if not t.is_contiguous() or t.device != w.device]
+    if bad or w.dtype != g.dtype or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} needs contiguous tensors on one device, gradients of one dtype and an int32/int64 "
+                         f"index; got {', '.join(f'{k}: {t.dtype} on {t.device}' + ('' if t.is_contiguous() else ', strided') for k, t in tensors.items())}")
     if tuple(w.shape) != want_w or tuple(index.shape) != want_index:
         raise ValueError(f"{name}: shapes {tuple(w.shape)} (weight gradient), {tuple(index.shape)} (index) and "
                          f"{tuple(g.shape)} (dense-feature gradients [k, d]) do not agree")

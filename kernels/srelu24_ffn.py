@@ -114,7 +114,7 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
     da = dy @ w2                                           # [T, F] dense
     perm = random_token_order(T, x.device) if token_permutation else None
     dense = densest_from_counts(counts, dense_feature_fraction)
-    slots, _ = dense_slots(dense, z.shape[1], z.device)
+    slots = dense_slots(dense, z.shape[1], z.device)[0] if dense is not None else None
     # one pass over Z and dA writes all three sparse operands (dZ's rows in permuted order)
     dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(z, da, perm, dense, reuse_forward_mask,
                                                                  slots=slots)

@@ -95,7 +95,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="7B", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--calls", type=int, default=6, help="fw+bw calls profiled (>= 2; the first is dropped)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -131,6 +131,9 @@ def main() -> int:
             prof.export_chrome_trace(path)
             calls = calls_of(kernels_of(path))
         sums = [summarise(c) for c in calls[1:]]  # the first call also carries the profiler's start-up
+        if not sums:
+            print(f"error: the trace of {name} split into {len(calls)} calls; need --calls >= 2", file=sys.stderr)
+            return 1
         med = lambda k: sorted(s[k] for s in sums)[len(sums) // 2]  # noqa: E731
         result[name] = {"do_bench_ms": do_bench(run, warmup=25, rep=200, return_mode="median"),
                         "profiled_span_ms": med("span_ms"), "profiled_busy_ms": med("busy_ms"),

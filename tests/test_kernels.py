@@ -403,8 +403,8 @@ def test_backward_operands_backend_errors_name_the_choices(monkeypatch, tmp_path
 @pytest.mark.parametrize("k,d,f", [(0, 64, 96), (5, 64, 96), (40, 200, 320), (3, 16, 1000)])
 def test_dense_rows_and_columns_equal_indexed_assignment(k, d, f):
     """dW1's rows and dW2's columns of the dense features (k not a multiple of the block, d not a
-    multiple of 32, F not of 128); everything else, including the rest of each touched 32-byte
-    sector, untouched; inputs that do not agree are refused by name."""
+    multiple of 32, F not of 128); every other element keeps its value; inputs that do not agree,
+    and strided indices, are refused by name."""
     from kernels.sparsify24_backward import dense_slots, write_dense_columns, write_dense_rows
 
     g = torch.Generator().manual_seed(k + d)
@@ -424,6 +424,20 @@ def test_dense_rows_and_columns_equal_indexed_assignment(k, d, f):
         write_dense_rows(dw1, dense, g1[:, :-1].contiguous())
     with pytest.raises(ValueError, match="int32 slots"):
         write_dense_columns(dw2, slots.long(), g2)
+    with pytest.raises(ValueError, match="the index: torch.int32 on cpu, strided"):
+        write_dense_columns(dw2, torch.stack([slots, slots], 1)[:, 0], g2)
+
+
+def test_backward_operands_refuses_slots_that_are_not_dense_slots():
+    from kernels.sparsify24_backward import backward_operands, dense_slots
+
+    z = torch.randn(40, 128).bfloat16()
+    dense = torch.tensor([3, 70])
+    slots, _ = dense_slots(dense, 128, "cpu")
+    with pytest.raises(ValueError, match="slots must be dense_slots"):
+        backward_operands(z, z, None, None, slots=slots)  # no dense: k would be 0
+    with pytest.raises(ValueError, match="slots must be dense_slots"):
+        backward_operands(z, z, None, dense, slots=slots.long())
 
 
 def test_kernel_ffn_backward_fills_no_zero_gradient_for_z(monkeypatch):
