@@ -30,6 +30,7 @@ from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_ord
 from kernels.sparsify24 import cuda_usable as sparsify_cuda_usable  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
+from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 from training.logger import environment  # noqa: E402
 
 BF = torch.bfloat16
@@ -97,10 +98,7 @@ def fwbw(fn, x, ws, gy):
 
 
 def time_fwbw(name: str, D: int, Fh: int, T: int, compiled) -> dict:
-    x = torch.randn(T, D, device="cuda", dtype=BF, requires_grad=True)
-    gy = torch.randn(T, D, device="cuda", dtype=BF)
-    w1 = (torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5).requires_grad_()
-    w2 = (torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5).requires_grad_()
+    x, gy, w1, w2 = ffn_inputs(D, Fh, T, requires_grad=True)
     Fg = (2 * Fh) // 3 // 256 * 256
     g = [(torch.randn(Fg, D, device="cuda", dtype=BF) * D ** -0.5).requires_grad_() for _ in range(2)]
     g2 = (torch.randn(D, Fg, device="cuda", dtype=BF) * Fg ** -0.5).requires_grad_()
@@ -125,10 +123,7 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled) -> dict:
 
 def breakdown(D: int, Fh: int, T: int) -> dict:
     """srelu24's fw+bw, piece by piece (each timed alone)."""
-    x = torch.randn(T, D, device="cuda", dtype=BF)
-    w1 = torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5
-    w2 = torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5
-    dy = torch.randn(T, D, device="cuda", dtype=BF)
+    x, dy, w1, w2 = ffn_inputs(D, Fh, T)
     z = F.linear(x, w1)
     buf, counts = srelu_sparsify24(z)
     da = dy @ w2
@@ -226,10 +221,7 @@ def host_and_gpu(D: int, Fh: int, T: int) -> dict:
     dense eager and srelu24, and srelu24's kernel time vs its do_bench time at T."""
     out = {}
     for t, what in ((128, "host"), (T, "gpu")):
-        x = torch.randn(t, D, device="cuda", dtype=BF, requires_grad=True)
-        gy = torch.randn(t, D, device="cuda", dtype=BF)
-        w1 = (torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5).requires_grad_()
-        w2 = (torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5).requires_grad_()
+        x, gy, w1, w2 = ffn_inputs(D, Fh, t, requires_grad=True)
         sparse = fwbw(lambda x, a, b: srelu24_ffn_kernels(x, a, b, RECIPE), x, [w1, w2], gy)
         if what == "host":
             dense = fwbw(lambda x, a, b: F.linear(F.relu(F.linear(x, a)).square(), b), x, [w1, w2], gy)
@@ -373,18 +365,17 @@ def main() -> int:
     for c in checks:
         print(json.dumps(c), flush=True)
     compiled = torch.compile(lambda x, w1, w2: F.linear(F.relu(F.linear(x, w1)).square(), w2))
-    shapes = {"1B": (2048, 8192), "7B": (4096, 16384)}
     rows = []
     for name in args.shapes.split(",") if "forward" in parts_wanted else []:
         for T in map(int, args.tokens.split(",")):
-            rows.append(time_shape(name, *shapes[name], T, compiled))
+            rows.append(time_shape(name, *SHAPES[name], T, compiled))
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
     compiled_fwbw = torch.compile(lambda x, w1, w2: F.linear(F.relu(F.linear(x, w1)).square(), w2))
     fb = []
     for name in args.shapes.split(","):
         for T in map(int, args.tokens.split(",")):
-            fb.append(time_fwbw(name, *shapes[name], T, compiled_fwbw))
+            fb.append(time_fwbw(name, *SHAPES[name], T, compiled_fwbw))
             print(json.dumps(fb[-1]), flush=True)
             torch.cuda.empty_cache()
     shapes_bd = {"7B, T=16384": (4096, 16384, 16384), "1B, T=16384": (2048, 8192, 16384), "1B, T=4096": (2048, 8192, 4096)}

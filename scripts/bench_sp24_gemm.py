@@ -25,10 +25,10 @@ from kernels import cutlass_sp24  # noqa: E402
 from kernels.cslt_layout import compress  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
+from scripts.ffn_inputs import SHAPES  # noqa: E402
 from training.logger import environment  # noqa: E402
 
 BF = torch.bfloat16
-SHAPES = {"1B": (2048, 8192), "7B": (4096, 16384)}
 
 
 def random_24(m: int, k: int) -> torch.Tensor:

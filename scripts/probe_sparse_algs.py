@@ -23,8 +23,7 @@ from kernels.sparsify24 import srelu_sparsify24  # noqa: E402
 from kernels.sparsify24_backward import backward_operands, padded_tokens  # noqa: E402
 from kernels.srelu24_ffn import _ALG, sparse_mm  # noqa: E402
 from model.sparse24 import densest_from_counts, random_token_order  # noqa: E402
-
-SHAPES = {"1B": (2048, 8192), "7B": (4096, 16384)}
+from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 
 
 def main() -> int:
@@ -38,10 +37,8 @@ def main() -> int:
         print("error: probe_sparse_algs.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    (D, Fh), T, bf = SHAPES[args.shape], args.tokens, torch.bfloat16
-    x, dy = torch.randn(T, D, device="cuda", dtype=bf), torch.randn(T, D, device="cuda", dtype=bf)
-    w1 = torch.randn(Fh, D, device="cuda", dtype=bf) * D ** -0.5
-    w2 = torch.randn(D, Fh, device="cuda", dtype=bf) * Fh ** -0.5
+    (D, Fh), T = SHAPES[args.shape], args.tokens
+    x, dy, w1, w2 = ffn_inputs(D, Fh, T)
     z = x @ w1.t()
     buf, counts = srelu_sparsify24(z)
     perm = random_token_order(T, "cuda")

@@ -27,8 +27,8 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.srelu24_ffn import srelu24_ffn_kernels  # noqa: E402
 from model.sparse24 import Sparse24Recipe  # noqa: E402
+from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 
-SHAPES = {"1B": (2048, 8192), "7B": (4096, 16384)}
 MARKER = "spin"  # torch.cuda._sleep's kernel name contains it
 
 
@@ -102,12 +102,8 @@ def main() -> int:
         print("error: probe_timeline.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    D, Fh = SHAPES[args.shape]
-    T, bf = args.tokens, torch.bfloat16
-    x = torch.randn(T, D, device="cuda", dtype=bf, requires_grad=True)
-    gy = torch.randn(T, D, device="cuda", dtype=bf)
-    w1 = (torch.randn(Fh, D, device="cuda", dtype=bf) * D ** -0.5).requires_grad_()
-    w2 = (torch.randn(D, Fh, device="cuda", dtype=bf) * Fh ** -0.5).requires_grad_()
+    T = args.tokens
+    x, gy, w1, w2 = ffn_inputs(*SHAPES[args.shape], T, requires_grad=True)
     recipe = Sparse24Recipe()
     variants = {"dense_eager": lambda: F.linear(F.relu(F.linear(x, w1)).square(), w2),
                 "srelu24": lambda: srelu24_ffn_kernels(x, w1, w2, recipe)}
