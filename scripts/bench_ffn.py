@@ -30,7 +30,8 @@ from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_ord
 from kernels.sparsify24 import cuda_usable as sparsify_cuda_usable  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
-from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
+from scripts.ffn_inputs import SHAPES, ffn_inputs, swiglu_weights  # noqa: E402
+from scripts.gpu_clocks import clocks_during  # noqa: E402
 from training.logger import environment  # noqa: E402
 
 BF = torch.bfloat16
@@ -97,11 +98,9 @@ def fwbw(fn, x, ws, gy):
     return run
 
 
-def time_fwbw(name: str, D: int, Fh: int, T: int, compiled) -> dict:
-    x, gy, w1, w2 = ffn_inputs(D, Fh, T, requires_grad=True)
-    Fg = (2 * Fh) // 3 // 256 * 256
-    g = [(torch.randn(Fg, D, device="cuda", dtype=BF) * D ** -0.5).requires_grad_() for _ in range(2)]
-    g2 = (torch.randn(D, Fg, device="cuda", dtype=BF) * Fg ** -0.5).requires_grad_()
+def time_fwbw(name: str, D: int, Fh: int, T: int, compiled, density=None, clocks: bool = False) -> dict:
+    x, gy, w1, w2 = ffn_inputs(D, Fh, T, requires_grad=True, density=density)
+    g1, g3, g2 = swiglu_weights(D, Fh, requires_grad=True)
 
     def dense(x, w1, w2):
         return F.linear(F.relu(F.linear(x, w1)).square(), w2)
@@ -112,18 +111,20 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled) -> dict:
     def sparse(x, w1, w2):
         return srelu24_ffn_kernels(x, w1, w2, RECIPE)
 
-    r = {"shape": name, "T": T, "fwbw_dense_eager_ms": bench(fwbw(dense, x, [w1, w2], gy)),
-         "fwbw_dense_compiled_ms": bench(fwbw(compiled, x, [w1, w2], gy)),
-         "fwbw_swiglu_ms": bench(fwbw(swiglu, x, [*g, g2], gy)),
-         "fwbw_srelu24_ms": bench(fwbw(sparse, x, [w1, w2], gy))}
+    runs = {"dense_eager": fwbw(dense, x, [w1, w2], gy), "dense_compiled": fwbw(compiled, x, [w1, w2], gy),
+            "swiglu": fwbw(swiglu, x, [g1, g3, g2], gy), "srelu24": fwbw(sparse, x, [w1, w2], gy)}
+    r = {"shape": name, "T": T, "density": density}
+    r.update({f"fwbw_{v}_ms": bench(run) for v, run in runs.items()})
+    if clocks:  # each variant for 2 s more, back to back as do_bench runs it
+        r["clocks"] = {v: clocks_during(run, 2.0) for v, run in runs.items()}
     r["fwbw_speedup_vs_eager"] = r["fwbw_dense_eager_ms"] / r["fwbw_srelu24_ms"]
     r["fwbw_speedup_vs_compiled"] = r["fwbw_dense_compiled_ms"] / r["fwbw_srelu24_ms"]
     return r
 
 
-def breakdown(D: int, Fh: int, T: int) -> dict:
+def breakdown(D: int, Fh: int, T: int, density=None) -> dict:
     """srelu24's fw+bw, piece by piece (each timed alone)."""
-    x, dy, w1, w2 = ffn_inputs(D, Fh, T)
+    x, dy, w1, w2 = ffn_inputs(D, Fh, T, density=density)
     z = F.linear(x, w1)
     buf, counts = srelu_sparsify24(z)
     da = dy @ w2
@@ -257,13 +258,9 @@ def tune_sparsify(z) -> dict:
     return min(times, key=lambda t: t[0])[1]
 
 
-def time_shape(name: str, D: int, Fh: int, T: int, compiled) -> dict:
-    x = torch.randn(T, D, device="cuda", dtype=BF)
-    w1 = torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5
-    w2 = torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5
-    Fg = (2 * Fh) // 3 // 256 * 256
-    g1, g3 = torch.randn(Fg, D, device="cuda", dtype=BF) * D ** -0.5, torch.randn(Fg, D, device="cuda", dtype=BF) * D ** -0.5
-    g2 = torch.randn(D, Fg, device="cuda", dtype=BF) * Fg ** -0.5
+def time_shape(name: str, D: int, Fh: int, T: int, compiled, density=None) -> dict:
+    x, _, w1, w2 = ffn_inputs(D, Fh, T, density=density)
+    g1, g3, g2 = swiglu_weights(D, Fh)
     z = F.linear(x, w1)
     best = tune_sparsify(z)
     buf = srelu_sparsify24(z)[0]
@@ -288,7 +285,7 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled) -> dict:
         return F.linear(F.silu(F.linear(x, g1)) * F.linear(x, g3), g2)
 
     y_s, y_d = sparse_fw(), F.linear(F.relu(z).square() * mask_2to4(F.relu(z).square()), w2)
-    r = {"shape": name, "T": T, "D": D, "F": Fh, "alg_id": alg, "fw_rel_err_vs_masked_dense": rel_err(y_s, y_d),
+    r = {"shape": name, "T": T, "D": D, "F": Fh, "density": density, "alg_id": alg, "fw_rel_err_vs_masked_dense": rel_err(y_s, y_d),
          "sparsify_triton_config": best,
          "sparsify_backend": "cuda" if sparsify_cuda_usable(z) else "triton",
          "copy_ms": bench(lambda: z.clone()), "sparsify_ms": bench(lambda: srelu_sparsify24(z)),
@@ -346,6 +343,11 @@ def main() -> int:
     ap.add_argument("--tokens", default="4096,16384,65536")
     ap.add_argument("--shapes", default="1B,7B")
     ap.add_argument("--parts", default="checks,forward,fwbw,breakdown,overhead")
+    ap.add_argument("--density", type=float, default=None,
+                    help="fraction of pre-activations above zero (default: about 0.5, random init); 0.1 is "
+                         "as sparse as a trained model's srelu (scripts/ffn_inputs.py)")
+    ap.add_argument("--clocks", action="store_true",
+                    help="also sample the SM clock and power (nvidia-smi) while each fw+bw variant runs")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_ffn.json")
     ap.add_argument("--replot", type=Path, metavar="JSON",
                     help="only redraw the breakdown figure of a saved result (no GPU needed), next to it")
@@ -368,18 +370,18 @@ def main() -> int:
     rows = []
     for name in args.shapes.split(",") if "forward" in parts_wanted else []:
         for T in map(int, args.tokens.split(",")):
-            rows.append(time_shape(name, *SHAPES[name], T, compiled))
+            rows.append(time_shape(name, *SHAPES[name], T, compiled, args.density))
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
     compiled_fwbw = torch.compile(lambda x, w1, w2: F.linear(F.relu(F.linear(x, w1)).square(), w2))
     fb = []
     for name in args.shapes.split(","):
         for T in map(int, args.tokens.split(",")):
-            fb.append(time_fwbw(name, *SHAPES[name], T, compiled_fwbw))
+            fb.append(time_fwbw(name, *SHAPES[name], T, compiled_fwbw, args.density, args.clocks))
             print(json.dumps(fb[-1]), flush=True)
             torch.cuda.empty_cache()
     shapes_bd = {"7B, T=16384": (4096, 16384, 16384), "1B, T=16384": (2048, 8192, 16384), "1B, T=4096": (2048, 8192, 4096)}
-    bd = {k: breakdown(*v) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
+    bd = {k: breakdown(*v, args.density) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
     bk = {k: backward_kernels(*v) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
     overhead = {k: host_and_gpu(*v) for k, v in shapes_bd.items()} if "overhead" in parts_wanted else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -399,13 +401,21 @@ def main() -> int:
               f"{r['sparsify_backend']}) | {r['sparsify_triton_ms']:.3f} "
               f"| {r['fw_dense_eager_ms']:.3f} | {r['fw_dense_compiled_ms']:.3f} | {r['fw_swiglu_ms']:.3f} "
               f"| {r['fw_srelu24_ms']:.3f} | {r['fw_speedup_vs_eager']:.2f}x | {r['fw_speedup_vs_compiled']:.2f}x |")
-    print("\nforward + backward (ms)")
+    print(f"\nforward + backward (ms){'' if args.density is None else f', pre-activation density {args.density}'}")
     print("| shape | T | dense eager | dense compiled | swiglu | srelu24 | vs eager | vs compiled |")
     print("|---|---|---|---|---|---|---|---|")
     for r in fb:
         print(f"| {r['shape']} | {r['T']} | {r['fwbw_dense_eager_ms']:.3f} | {r['fwbw_dense_compiled_ms']:.3f} "
               f"| {r['fwbw_swiglu_ms']:.3f} | {r['fwbw_srelu24_ms']:.3f} | {r['fwbw_speedup_vs_eager']:.2f}x "
               f"| {r['fwbw_speedup_vs_compiled']:.2f}x |")
+    for r in fb:
+        if r.get("clocks"):
+            print(f"\nclocks while each fw+bw runs back to back ({r['shape']}, T={r['T']}; nvidia-smi medians)")
+            print("| variant | SM MHz | power W | throttle reasons |")
+            print("|---|---|---|---|")
+            for v, c in r["clocks"].items():
+                print(f"| {v} | {c.get('sm_clock_mhz', '-')} | {c.get('power_w', '-')} | "
+                      f"{' '.join(c.get('throttle_reasons', [])) or c.get('error', '')} |")
     bw = derived_backward(rows, fb)
     if bw:
         print("\nbackward (ms): fw+bw median minus forward median, same run")

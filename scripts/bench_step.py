@@ -38,6 +38,7 @@ from training.logger import environment  # noqa: E402
 from training.loop import use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
+from scripts.gpu_clocks import ClockSampler  # noqa: E402
 
 
 def load_config(overrides: list[str]):
@@ -81,7 +82,7 @@ def union_length(spans: list[tuple[float, float]]) -> float:
     return busy
 
 
-def profile_kernels(train_step, steps: int, top: int = 12) -> dict:
+def profile_kernels(train_step, steps: int, top: int = 60) -> dict:
     """torch.profiler over `steps` more steps: per step, the time some kernel was running (the
     union of kernel intervals: kernels that overlap, such as NCCL's beside compute, count once),
     the span from the first kernel's start to the last one's end, and the costliest kernels as
@@ -134,10 +135,11 @@ def bench(cfg, args, d) -> dict:
         clock.mark()
         return clock.phases_ms()
 
-    for i in range(args.warmup + args.steps):
-        phases = train_step()
-        if i >= args.warmup:
-            rows.append(phases)
+    for _ in range(args.warmup):
+        train_step()
+    with ClockSampler() if device.type == "cuda" else nullcontext() as clocks:
+        for _ in range(args.steps):
+            rows.append(train_step())  # phases_ms synchronises: the samples cover the steps
     data, fw, bw, op = (statistics.median(col) for col in zip(*rows))
     kernels = profile_kernels(train_step, args.profile) if args.profile and device.type == "cuda" else None
     step = data + fw + bw + op
@@ -152,6 +154,8 @@ def bench(cfg, args, d) -> dict:
               "backward_ms": bw, "optimizer_ms": op, "tokens_per_s": tok_s,
               "mfu": size.flops_per_token * tok_s / d.world_size / peak if peak else None,
               "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    if clocks is not None:  # a power-capped GPU: which variant lowers the clock for everything
+        result["clocks"] = clocks.summary()
     if kernels is not None:
         result.update(kernels)
     # FSDP2 and compiled modules sit in reference cycles: collect them, or the next variant of a
@@ -168,6 +172,8 @@ def bench(cfg, args, d) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ffn-sweep", action="store_true", help="swiglu, srelu and srelu24 in one run")
+    ap.add_argument("--ffns", default="", help="the variants to sweep, comma-separated (implies --ffn-sweep), "
+                    "e.g. srelu,srelu24")
     ap.add_argument("--layers", type=int, default=0, help="cut the layer count (per-layer figures still hold)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -175,10 +181,16 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after timing, profile this many steps: GPU kernel time per step and the top kernels")
+    ap.add_argument("--print-kernels", type=int, default=12, help="kernels printed per variant (the JSON keeps 60)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.json")
     ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=sparse_1b")
     args = ap.parse_intermixed_args()  # Hydra overrides may come before or after the flags
     variants = ["swiglu", "srelu", "srelu24"] if args.ffn_sweep else [None]
+    if args.ffns:
+        variants = args.ffns.split(",")
+        valid = [k.value for k in FFNKind]
+        if bad := [v for v in variants if v not in valid]:
+            ap.error(f"--ffns: unknown variant(s) {bad}; valid: {valid}")
     cfgs = []
     for v in variants:
         cfg = load_config(args.override + ([f"ffn={v}"] if v else []))
@@ -218,11 +230,15 @@ def report(args, results: list[dict], device: torch.device) -> None:
         print(f"| {r['ffn']} | {r['step_ms']:.1f} | {r['data_ms']:.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} "
               f"| {r['optimizer_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r0['tokens_per_s']:.2f}x "
               f"| {mfu} | {mem} |")
+    if any(r.get("clocks", {}).get("samples") for r in results):
+        print("\nclocks over the timed steps (nvidia-smi medians): "
+              + "; ".join(f"{r['ffn']} {r['clocks'].get('sm_clock_mhz')} MHz, {r['clocks'].get('power_w')} W"
+                          for r in results if r.get("clocks")))
     for r in results:
         if r.get("top_kernels"):
             print(f"\n{r['ffn']}: kernels running {r['kernel_busy_ms_per_step']:.1f} ms of a "
                   f"{r['profiled_span_ms_per_step']:.1f} ms profiled step; costliest (summed ms, launches per step):")
-            for name, ms, n in r["top_kernels"]:
+            for name, ms, n in r["top_kernels"][:args.print_kernels]:
                 print(f"  {ms:8.3f} {n:6.1f}  {name}")
 
 

@@ -12,10 +12,8 @@ call can run at a lower clock than a short profiled one).
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +26,7 @@ from triton.testing import do_bench  # noqa: E402
 from kernels.srelu24_ffn import srelu24_ffn_kernels  # noqa: E402
 from model.sparse24 import Sparse24Recipe  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
+from scripts.gpu_clocks import clocks_during  # noqa: E402
 
 MARKER = "spin"  # torch.cuda._sleep's kernel name contains it
 
@@ -67,28 +66,6 @@ def summarise(call: list) -> dict:
     return {"span_ms": (end - start) / 1e3, "busy_ms": busy / 1e3, "idle_ms": (end - start - busy) / 1e3,
             "n_kernels": len(call), "largest_gaps_us": sorted(gaps, reverse=True)[:8],
             "kernels": [(name[:90], round(d, 1), round(t - start, 1)) for t, d, name in call]}
-
-
-def clocks_during(fn, seconds: float) -> dict:
-    """Median SM clock (MHz) and power (W), and the throttle reasons seen, while fn runs repeatedly."""
-    query = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
-    try:
-        proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "50"],
-                                stdout=subprocess.PIPE, text=True)
-    except OSError as e:
-        return {"error": str(e)}
-    t0 = time.time()
-    while time.time() - t0 < seconds:
-        fn()
-    torch.cuda.synchronize()
-    proc.terminate()
-    out = proc.communicate()[0]
-    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.count(",") == 3]
-    if not rows:
-        return {"error": "no samples"}
-    med = lambda i: sorted(float(r[i]) for r in rows)[len(rows) // 2]  # noqa: E731
-    return {"samples": len(rows), "sm_clock_mhz": med(0), "power_w": med(1), "temp_c": med(2),
-            "throttle_reasons": sorted({r[3] for r in rows})}
 
 
 def main() -> int:

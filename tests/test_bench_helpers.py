@@ -1,0 +1,40 @@
+"""The benchmark scripts' helpers that run on CPU: the FFN inputs' pre-activation density and the
+parsing of nvidia-smi's clock samples."""
+import pytest
+import torch
+
+from scripts.ffn_inputs import ffn_inputs
+from scripts.gpu_clocks import parse, summarise
+
+
+@pytest.mark.parametrize("density", [0.5, 0.1, 0.02])
+def test_ffn_inputs_give_the_asked_fraction_of_positive_pre_activations(density):
+    torch.manual_seed(0)
+    x, dy, w1, w2 = ffn_inputs(256, 1024, 512, density=density, device="cpu")
+    z = (x.float() @ w1.float().t())
+    got = (z > 0).float().mean().item()
+    assert abs(got - density) < 0.1 * density + 0.005, got
+    per_feature = (z > 0).float().mean(0)  # every feature as sparse, not a few dead ones
+    assert per_feature.std().item() < 3 * (density * (1 - density) / 512) ** 0.5 + 0.01
+
+
+def test_ffn_inputs_default_is_about_half_positive_and_refuses_a_bad_density():
+    torch.manual_seed(0)
+    x, _, w1, _ = ffn_inputs(256, 1024, 512, device="cpu")
+    assert abs((x.float() @ w1.float().t() > 0).float().mean().item() - 0.5) < 0.02
+    with pytest.raises(ValueError, match=r"density .* in \(0, 1\); got 1.5"):
+        ffn_inputs(8, 8, 8, density=1.5, device="cpu")
+
+
+def test_clock_samples_parse_and_summarise_to_medians():
+    text = ("1755, 512.30, 61, 0x0000000000000000\n"
+            "1410, 699.10, 63, 0x0000000000000004\n"
+            "1440, 695.00, 62, 0x0000000000000004\n"
+            "14\n"                                  # a partial line as nvidia-smi is killed
+            "[N/A], 600, 60, 0x0\n")                 # a field it could not read
+    rows = parse(text)
+    assert len(rows) == 3
+    s = summarise(rows)
+    assert s == {"samples": 3, "sm_clock_mhz": 1440.0, "power_w": 695.0, "temp_c": 62.0,
+                 "throttle_reasons": ["0x0000000000000000", "0x0000000000000004"]}
+    assert "error" in summarise([]) and summarise([], "nvidia-smi not found") == {"error": "nvidia-smi not found"}
