@@ -54,7 +54,7 @@ build/sp24_kernels.so: kernels/csrc/sp24_sparsify.cu
 # wheel (pip install nvidia-cutlass==4.2.0.0; no network needed once it is installed), found through the
 # .venv's python if there is one. Build in parallel: make -j5 cutlass (one job per configuration, about
 # a minute each). SP24_LDFLAGS: extra link flags, e.g. -L<CUDA lib dir> where nvcc does not find cudart.
-SP24_CFGS := 0 1 2 3 4
+SP24_CFGS := 0 1 2 3 4 5 6
 SP24_LDFLAGS ?=
 CUTLASS_DIR ?= $(shell $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \
 	print(os.path.join(os.path.dirname(s.origin), 'source') if s else '')")

@@ -21,8 +21,9 @@ _STATUS = {1: "cannot implement (shape or alignment)", 2: "workspace too small",
 ABI_VERSION = 1
 # configuration id -> (tile M, N, K, cluster, schedule), as in sp24_gemm_sm90.cu
 CONFIGS = {0: "128x128x128 c1x2 coop", 1: "128x256x64 c1x2 coop", 2: "256x128x64 c2x1 coop",
-           3: "128x128x128 c2x1 pingpong", 4: "128x128x64 c1x2 coop"}
-TILE_K = {0: 128, 1: 64, 2: 64, 3: 128, 4: 64}
+           3: "128x128x128 c2x1 pingpong", 4: "128x128x64 c1x2 coop", 5: "128x256x64 c2x2 coop",
+           6: "256x128x64 c2x2 coop"}
+TILE_K = {0: 128, 1: 64, 2: 64, 3: 128, 4: 64, 5: 64, 6: 64}
 
 
 _LIB = NativeLibrary("sp24_cutlass.so", "SP24_CUTLASS_LIB", "sp24_abi_version", ABI_VERSION, "CUTLASS 2:4",

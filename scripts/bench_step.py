@@ -183,8 +183,13 @@ def main() -> int:
                     help="after timing, profile this many steps: GPU kernel time per step and the top kernels")
     ap.add_argument("--print-kernels", type=int, default=12, help="kernels printed per variant (the JSON keeps 60)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.json")
+    ap.add_argument("--replot", type=Path, metavar="JSON",
+                    help="only redraw the kernel-category figure of a saved --profile result, next to it")
     ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=sparse_1b")
     args = ap.parse_intermixed_args()  # Hydra overrides may come before or after the flags
+    if args.replot:
+        print(f"wrote {plot_kernels(args.replot)}")
+        return 0
     variants = ["swiglu", "srelu", "srelu24"] if args.ffn_sweep else [None]
     if args.ffns:
         variants = args.ffns.split(",")
@@ -213,6 +218,21 @@ def main() -> int:
     return 0
 
 
+def plot_kernels(result: Path) -> Path:
+    """The saved result's profiled kernel time per category (training/plots.step_kernels), PNG
+    beside the JSON."""
+    from training.plots import close, step_kernels
+
+    results = json.loads(result.read_text())["results"]
+    if not any(r.get("top_kernels") for r in results):
+        raise SystemExit(f"error: {result} has no kernel profile (run with --profile STEPS)")
+    fig = step_kernels(results)
+    png = result.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    close(fig)
+    return png
+
+
 def report(args, results: list[dict], device: torch.device) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
@@ -234,6 +254,8 @@ def report(args, results: list[dict], device: torch.device) -> None:
         print("\nclocks over the timed steps (nvidia-smi medians): "
               + "; ".join(f"{r['ffn']} {r['clocks'].get('sm_clock_mhz')} MHz, {r['clocks'].get('power_w')} W"
                           for r in results if r.get("clocks")))
+    if any(r.get("top_kernels") for r in results):
+        print(f"wrote {plot_kernels(args.out)}")
     for r in results:
         if r.get("top_kernels"):
             print(f"\n{r['ffn']}: kernels running {r['kernel_busy_ms_per_step']:.1f} ms of a "

@@ -38,3 +38,22 @@ def test_clock_samples_parse_and_summarise_to_medians():
     assert s == {"samples": 3, "sm_clock_mhz": 1440.0, "power_w": 695.0, "temp_c": 62.0,
                  "throttle_reasons": ["0x0000000000000000", "0x0000000000000004"]}
     assert "error" in summarise([]) and summarise([], "nvidia-smi not found") == {"error": "nvidia-smi not found"}
+
+
+def test_profiled_kernels_fall_into_the_step_figures_categories():
+    from training.plots import close, kernel_category, step_kernels
+
+    assert kernel_category("sm90_xmma_sparse_gemm_bf16bf16_bf16f32_f32_tt_t_tilesize128x256x64") == "2:4 sparse GEMMs"
+    assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "dense GEMMs"
+    assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
+    assert kernel_category("(anonymous namespace)::backward_operands_kernel(unsigned short const*") == "srelu24 kernels"
+    assert kernel_category("triton_poi_fused__to_copy_1") == "fused elementwise (Inductor)"
+    assert kernel_category("Memset (Device)") == "other"
+    row = {"ffn": "srelu24", "model": "7b", "n_layers": 8, "micro_batch": 2, "seq_len": 4096, "step_ms": 168.0,
+           "clocks": {"sm_clock_mhz": 1560.0},
+           "top_kernels": [["sm90_xmma_sparse_gemm_x", 32.2, 32], ["nvjet_y", 72.5, 80], ["Memset (Device)", 0.3, 269]]}
+    fig = step_kernels([row, {**row, "ffn": "srelu", "clocks": {}}, {"ffn": "swiglu"}])  # no profile: no bar
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["srelu24", "srelu"]
+    assert any("1560 MHz" in t.get_text() for t in ax.texts)
+    close(fig)

@@ -62,3 +62,51 @@ def ffn_breakdown(breakdown: dict, fwbw: dict):
     fig.legend(handles, labels, fontsize=8, ncol=len(labels), loc="lower center", frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
+
+
+# A profiled kernel's category in a training step (first match wins), for step_kernels.
+KERNEL_CATEGORIES = [
+    ("2:4 sparse GEMMs", ("sparse_gemm",)),
+    ("dense GEMMs", ("nvjet", "gemm", "cutlass")),
+    ("attention", ("sdpa", "flash", "cudnn")),
+    ("optimizer", ("multi_tensor_apply",)),
+    ("srelu24 kernels", ("srelu_sparsify", "backward_operands", "_dense_columns", "_dense_rows", "radix_sort",
+                         "randperm", "gather", "index_elementwise", "fill_reverse_indices")),
+    ("fused elementwise (Inductor)", ("triton_",)),
+]
+
+
+def kernel_category(name: str) -> str:
+    return next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def step_kernels(results: list[dict]):
+    """Profiled GPU kernel time per training step by category, one bar per FFN variant
+    (scripts/bench_step.py --profile), labelled with the step time and the SM clock it ran at.
+    results: bench_step result rows with "top_kernels" ([name, ms per step, launches])."""
+    rows = [r for r in results if r.get("top_kernels")]
+    cats = [c for c, _ in KERNEL_CATEGORIES] + ["other"]
+    fig, ax = plt.subplots(figsize=(9, 0.7 * len(rows) + 1.6))
+    colors = plt.get_cmap("tab10").colors
+    for y, r in enumerate(rows):
+        sums = dict.fromkeys(cats, 0.0)
+        for name, ms, _ in r["top_kernels"]:
+            sums[kernel_category(name)] += ms
+        left = 0.0
+        for i, c in enumerate(cats):
+            ax.barh(y, sums[c], left=left, color=colors[i % len(colors)], label=c if y == 0 else None)
+            left += sums[c]
+        clock = r.get("clocks", {}).get("sm_clock_mhz")
+        ax.text(left, y, f" {r['step_ms']:.1f} ms step" + (f", SM {clock:.0f} MHz" if clock else ""),
+                va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [r["ffn"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.25)
+    ax.set_xlabel("GPU kernel time per step (ms, profiled)")
+    if rows:
+        r0 = rows[0]
+        ax.set_title(f"{r0['model']}, {r0['n_layers']} layers, micro-batch {r0['micro_batch']} x {r0['seq_len']}",
+                     fontsize=9)
+    fig.legend(fontsize=8, ncol=4, loc="lower center", frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    return fig

@@ -125,6 +125,12 @@ using CfgTile = Shape<_256, _128, _64>;  using CfgCluster = Shape<_2, _1, _1>; u
 using CfgTile = Shape<_128, _128, _128>; using CfgCluster = Shape<_2, _1, _1>; using CfgSched = Pingpong;
 #elif SP24_CFG == 4
 using CfgTile = Shape<_128, _128, _64>;  using CfgCluster = Shape<_1, _2, _1>; using CfgSched = Coop;
+// 2x2 clusters: A and B tiles both multicast, a quarter less L2 traffic per tile than 1x2 / 2x1 (the
+// sparse GEMM streams its operands twice as fast as the dense one at the same tile)
+#elif SP24_CFG == 5
+using CfgTile = Shape<_128, _256, _64>;  using CfgCluster = Shape<_2, _2, _1>; using CfgSched = Coop;
+#elif SP24_CFG == 6
+using CfgTile = Shape<_256, _128, _64>;  using CfgCluster = Shape<_2, _2, _1>; using CfgSched = Coop;
 #else
 #error "unknown SP24_CFG"
 #endif
