@@ -166,13 +166,12 @@ def breakdown(D: int, Fh: int, T: int, density=None) -> dict:
     return {k: bench(fn) for k, fn in parts.items()}
 
 
-def backward_kernels(D: int, Fh: int, T: int) -> dict:
+def backward_kernels(D: int, Fh: int, T: int, density=None) -> dict:
     """The backward's one-pass kernel, Triton against CUDA C++ (when built): equal output bytes,
     and the time of each beside a bf16 copy of Z."""
     torch.manual_seed(T + Fh)
-    x = torch.randn(T, D, device="cuda", dtype=BF)
-    z = F.linear(x, torch.randn(Fh, D, device="cuda", dtype=BF) * D ** -0.5)
-    da = torch.randn(T, D, device="cuda", dtype=BF) @ (torch.randn(D, Fh, device="cuda", dtype=BF) * Fh ** -0.5)
+    x, dy, w1, w2 = ffn_inputs(D, Fh, T, density=density)
+    z, da = F.linear(x, w1), dy @ w2
     perm = random_token_order(T, "cuda")
     dense = densest_from_counts(srelu_sparsify24(z)[1], RECIPE.dense_feature_fraction)
     out = {"copy_z_ms": bench(lambda: z.clone()), "triton_ms": bench(lambda: backward_operands(z, da, perm, dense,
@@ -217,12 +216,12 @@ def kernel_ms(fn, n: int = 5) -> tuple[float, list]:
     return sum(t for _, t in rows), [(k[:70], round(t, 4)) for k, t in rows[:8]]
 
 
-def host_and_gpu(D: int, Fh: int, T: int) -> dict:
+def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
     """Where the small shapes lose: per fw+bw call, host time at T=128 (GPU work negligible) for
     dense eager and srelu24, and srelu24's kernel time vs its do_bench time at T."""
     out = {}
     for t, what in ((128, "host"), (T, "gpu")):
-        x, gy, w1, w2 = ffn_inputs(D, Fh, t, requires_grad=True)
+        x, gy, w1, w2 = ffn_inputs(D, Fh, t, requires_grad=True, density=density)
         sparse = fwbw(lambda x, a, b: srelu24_ffn_kernels(x, a, b, RECIPE), x, [w1, w2], gy)
         if what == "host":
             dense = fwbw(lambda x, a, b: F.linear(F.relu(F.linear(x, a)).square(), b), x, [w1, w2], gy)
@@ -355,6 +354,8 @@ def main() -> int:
     if args.replot:
         print(f"wrote {plot_breakdown(args.replot)}")
         return 0
+    if args.density is not None and not 0.0 < args.density < 1.0:
+        ap.error(f"--density is the fraction of positive pre-activations, in (0, 1); got {args.density}")
     if not torch.cuda.is_available():
         print("error: bench_ffn.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -382,11 +383,12 @@ def main() -> int:
             torch.cuda.empty_cache()
     shapes_bd = {"7B, T=16384": (4096, 16384, 16384), "1B, T=16384": (2048, 8192, 16384), "1B, T=4096": (2048, 8192, 4096)}
     bd = {k: breakdown(*v, args.density) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
-    bk = {k: backward_kernels(*v) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
-    overhead = {k: host_and_gpu(*v) for k, v in shapes_bd.items()} if "overhead" in parts_wanted else {}
+    bk = {k: backward_kernels(*v, args.density) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
+    overhead = {k: host_and_gpu(*v, args.density) for k, v in shapes_bd.items()} if "overhead" in parts_wanted else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
-                                    "environment": environment(), "checks": checks, "forward": rows,
+                                    "environment": environment(), "density": args.density,
+                                    "checks": checks, "forward": rows,
                                     "fwbw": fb, "backward_derived": derived_backward(rows, fb), "breakdown": bd,
                                     "backward_kernels": bk,
                                     "overhead": overhead}, indent=2))

@@ -82,7 +82,10 @@ def union_length(spans: list[tuple[float, float]]) -> float:
     return busy
 
 
-def profile_kernels(train_step, steps: int, top: int = 60) -> dict:
+PROFILE_KEPT = 60  # kernels per variant kept in the JSON
+
+
+def profile_kernels(train_step, steps: int, top: int = PROFILE_KEPT) -> dict:
     """torch.profiler over `steps` more steps: per step, the time some kernel was running (the
     union of kernel intervals: kernels that overlap, such as NCCL's beside compute, count once),
     the span from the first kernel's start to the last one's end, and the costliest kernels as
@@ -137,7 +140,7 @@ def bench(cfg, args, d) -> dict:
 
     for _ in range(args.warmup):
         train_step()
-    with ClockSampler() if device.type == "cuda" else nullcontext() as clocks:
+    with ClockSampler(device) if device.type == "cuda" else nullcontext() as clocks:
         for _ in range(args.steps):
             rows.append(train_step())  # phases_ms synchronises: the samples cover the steps
     data, fw, bw, op = (statistics.median(col) for col in zip(*rows))
@@ -181,7 +184,7 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after timing, profile this many steps: GPU kernel time per step and the top kernels")
-    ap.add_argument("--print-kernels", type=int, default=12, help="kernels printed per variant (the JSON keeps 60)")
+    ap.add_argument("--print-kernels", type=int, default=12, help=f"kernels printed per variant (the JSON keeps {PROFILE_KEPT})")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.json")
     ap.add_argument("--replot", type=Path, metavar="JSON",
                     help="only redraw the kernel-category figure of a saved --profile result, next to it")
@@ -223,7 +226,9 @@ def plot_kernels(result: Path) -> Path:
     beside the JSON."""
     from training.plots import close, step_kernels
 
-    results = json.loads(result.read_text())["results"]
+    results = json.loads(result.read_text()).get("results")
+    if not isinstance(results, list):
+        raise SystemExit(f"error: {result} is not a bench_step.py result (no \"results\" list)")
     if not any(r.get("top_kernels") for r in results):
         raise SystemExit(f"error: {result} has no kernel profile (run with --profile STEPS)")
     fig = step_kernels(results)

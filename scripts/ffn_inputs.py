@@ -29,13 +29,13 @@ def ffn_inputs(D: int, Fh: int, T: int, requires_grad: bool = False, density: fl
     return x, dy, w1, w2
 
 
-def swiglu_weights(D: int, Fh: int, requires_grad: bool = False):
+def swiglu_weights(D: int, Fh: int, requires_grad: bool = False, device: str = "cuda"):
     """SwiGLU's W1, W3 [Fg, D] and W2 [D, Fg] with the parameter count of srelu's hidden size Fh
     (Fg = 2/3 Fh, rounded down to 256), scaled as ffn_inputs scales srelu's."""
     bf = torch.bfloat16
     Fg = (2 * Fh) // 3 // 256 * 256
-    ws = [torch.randn(Fg, D, device="cuda", dtype=bf) * D ** -0.5 for _ in range(2)]
-    ws.append(torch.randn(D, Fg, device="cuda", dtype=bf) * Fg ** -0.5)
+    ws = [torch.randn(Fg, D, device=device, dtype=bf) * D ** -0.5 for _ in range(2)]
+    ws.append(torch.randn(D, Fg, device=device, dtype=bf) * Fg ** -0.5)
     if requires_grad:
         for t in ws:
             t.requires_grad_()

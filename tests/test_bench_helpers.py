@@ -57,3 +57,42 @@ def test_profiled_kernels_fall_into_the_step_figures_categories():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["srelu24", "srelu"]
     assert any("1560 MHz" in t.get_text() for t in ax.texts)
     close(fig)
+
+
+def test_clock_sampler_reports_why_it_has_no_samples(monkeypatch, tmp_path):
+    from scripts.gpu_clocks import ClockSampler, nvidia_smi_id
+
+    assert nvidia_smi_id(None) is None
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    with ClockSampler() as s:
+        pass
+    assert s.summary()["error"].startswith("could not run nvidia-smi")
+    fake = tmp_path / "nvidia-smi"  # one that rejects the query
+    fake.write_text("#!/bin/sh\necho 'Field \"clocks.sm\" is not a valid field to query.' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    with ClockSampler() as s:
+        s.proc.wait()
+    err = s.summary()["error"]
+    assert "no usable samples" in err and "exit 2" in err and "not a valid field" in err
+
+
+def run_bench_step(*args):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bench_step_names_a_bad_variant_and_refuses_to_replot_what_it_cannot(tmp_path):
+    r = run_bench_step("--ffns", "srelu,sparse", "+experiment=demo")
+    assert r.returncode != 0 and "--ffns: unknown variant(s) ['sparse']" in r.stderr and "srelu24" in r.stderr
+    other = tmp_path / "bench_ffn.json"
+    other.write_text('{"fwbw": []}')
+    r = run_bench_step("--replot", str(other))
+    assert r.returncode != 0 and "is not a bench_step.py result" in r.stderr
+    unprofiled = tmp_path / "bench_step.json"
+    unprofiled.write_text('{"results": [{"ffn": "srelu"}]}')
+    r = run_bench_step("--replot", str(unprofiled))
+    assert r.returncode != 0 and "has no kernel profile (run with --profile STEPS)" in r.stderr

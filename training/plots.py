@@ -70,8 +70,9 @@ KERNEL_CATEGORIES = [
     ("dense GEMMs", ("nvjet", "gemm", "cutlass")),
     ("attention", ("sdpa", "flash", "cudnn")),
     ("optimizer", ("multi_tensor_apply",)),
-    ("srelu24 kernels", ("srelu_sparsify", "backward_operands", "_dense_columns", "_dense_rows", "radix_sort",
-                         "randperm", "gather", "index_elementwise", "fill_reverse_indices")),
+    ("srelu24 kernels", ("srelu_sparsify", "backward_operands", "_dense_columns", "_dense_rows")),
+    # torch's own: srelu24's permutation, gathers and feature sort, and the embedding backward's
+    ("sort, gather, index", ("radix_sort", "randperm", "gather", "index_elementwise", "fill_reverse_indices")),
     ("fused elementwise (Inductor)", ("triton_",)),
 ]
 
