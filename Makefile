@@ -52,7 +52,7 @@ build/sp24_kernels.so: kernels/csrc/sp24_sparsify.cu
 # make cutlass: the CUTLASS 2:4 GEMMs for Hopper (kernels/csrc/sp24_gemm_sm90.cu) as one shared library
 # that kernels/cutlass_sp24.py loads. Needs nvcc >= 12.3 and the CUTLASS headers of the nvidia-cutlass
 # wheel (pip install nvidia-cutlass==4.2.0.0; no network needed once it is installed), found through the
-# .venv's python if there is one. Build in parallel: make -j5 cutlass (one job per configuration, about
+# .venv's python if there is one. Build in parallel: make -j7 cutlass (one job per configuration, about
 # a minute each). SP24_LDFLAGS: extra link flags, e.g. -L<CUDA lib dir> where nvcc does not find cudart.
 SP24_CFGS := 0 1 2 3 4 5 6
 SP24_LDFLAGS ?=
