@@ -58,7 +58,7 @@ class NativeLibrary:
             return False
 
 
-KERNELS = NativeLibrary("sp24_kernels.so", "SP24_KERNELS_LIB", "sp24_kernels_abi_version", 2,
+KERNELS = NativeLibrary("sp24_kernels.so", "SP24_KERNELS_LIB", "sp24_kernels_abi_version", 3,
                         "CUDA sparsify kernels", "make kernels")
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from model.sparse24 import mask_2to4
 
 from .cslt_layout import compress, compressed_numel
-from .native import kernels_usable, launch, use_cuda
+from .native import KERNELS, kernels_usable, launch, use_cuda
 from .sparsify24 import padded_rows, round_to_bf16, top2_of_4
 
 
@@ -215,6 +215,48 @@ def cuda_usable(z: Tensor, da: Tensor, reuse_forward_mask: bool = True) -> bool:
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64]
+_CUDA_A24_ARGS = [_P] * 13 + [_I, _I, _I, _I, _I64]
+
+
+def _token_order(perm: Optional[Tensor], T: int, device) -> Tensor:
+    return (perm if perm is not None else torch.arange(T, device=device)).to(device, torch.int32)
+
+
+def _checked_slots(slots: Optional[Tensor], dense: Optional[Tensor], Fh: int, device) -> tuple[Tensor, int]:
+    """dense_slots(dense, F) and k, or the caller's slots after checking they can be."""
+    if slots is None:
+        return dense_slots(dense, Fh, device)
+    # the kernels write k dense rows by it: it must be dense_slots(dense, F) (not checked: data)
+    if dense is None or tuple(slots.shape) != (Fh,) or slots.dtype != torch.int32 or not slots.is_contiguous() \
+            or slots.device != device:
+        raise ValueError(f"backward_operands: slots must be dense_slots(dense, {Fh}) (int32 [{Fh}] on {device}, "
+                         f"with dense given), got {slots.dtype} {tuple(slots.shape)} on {slots.device}"
+                         f"{' and dense None' if dense is None else ''}")
+    return slots, dense.numel()
+
+
+def _outputs(Tr: int, Tp: int, Fh: int, k: int, reuse_forward_mask: bool, device):
+    """The pass's output buffers: dZ's (values then metadata; a stub without the forward mask),
+    and (compressed, dense rows) for each token-dimension operand."""
+    # without the forward mask dZ is not 2:4 and the kernel writes no feature-dimension operand
+    dz_buf = torch.empty(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, dtype=torch.bfloat16, device=device)
+    outs = []
+    for _ in range(2):
+        # every column < Tp of the dense rows is written (padding tokens as zeros)
+        full = torch.empty(max(k, 1), Tp, dtype=torch.bfloat16, device=device)
+        outs.append((torch.empty(compressed_numel(Fh, Tp), dtype=torch.bfloat16, device=device), full))
+    return dz_buf, outs
+
+
+def _meta(buf: Tensor, rows: int, cols: int) -> Tensor:
+    """The metadata words of a compressed [rows, cols] operand: they follow its values."""
+    return buf.view(-1)[rows * cols // 2:].view(torch.int16)
+
+
+def _results(dz_buf, outs, Tr: int, Fh: int, k: int, reuse_forward_mask: bool):
+    (a_buf, a_full), (g_buf, g_full) = outs
+    dz = dz_buf.view(Tr, -1) if reuse_forward_mask else None
+    return dz, (a_buf.view(Fh, -1), a_full[:k]), (g_buf.view(Fh, -1), g_full[:k])
 
 
 def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
@@ -233,40 +275,61 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
         raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
     cuda = use_cuda(backend, lambda: cuda_usable(z, da, reuse_forward_mask), "backward_operands",
                     "reuse_forward_mask=True and 16-byte aligned rows")
-    order = (perm if perm is not None else torch.arange(T, device=z.device)).to(z.device, torch.int32)
-    if slots is None:
-        slots, k = dense_slots(dense, Fh, z.device)
-    else:  # the kernels write k dense rows by it: it must be dense_slots(dense, F) (not checked: data)
-        if dense is None or tuple(slots.shape) != (Fh,) or slots.dtype != torch.int32 or not slots.is_contiguous() \
-                or slots.device != z.device:
-            raise ValueError(f"backward_operands: slots must be dense_slots(dense, {Fh}) (int32 [{Fh}] on {z.device}, "
-                             f"with dense given), got {slots.dtype} {tuple(slots.shape)} on {slots.device}"
-                             f"{' and dense None' if dense is None else ''}")
-        k = dense.numel()
-    # without the forward mask dZ is not 2:4 and the kernel writes no feature-dimension operand
-    dz_buf = torch.empty(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, dtype=torch.bfloat16,
-                         device=z.device)
+    order = _token_order(perm, T, z.device)
+    slots, k = _checked_slots(slots, dense, Fh, z.device)
+    dz_buf, outs = _outputs(Tr, Tp, Fh, k, reuse_forward_mask, z.device)
     dz_meta = dz_buf[Tr * Fh // 2:] if reuse_forward_mask else dz_buf
-    outs = []
-    for _ in range(2):
-        # every column < Tp of the dense rows is written (padding tokens as zeros)
-        full = torch.empty(max(k, 1), Tp, dtype=torch.bfloat16, device=z.device)
-        outs.append((torch.empty(compressed_numel(Fh, Tp), dtype=torch.bfloat16, device=z.device), full))
     (a_buf, a_full), (g_buf, g_full) = outs
-    meta = lambda buf: buf[Fh * Tp // 2:].view(torch.int16)  # noqa: E731 - metadata words follow the values
     if cuda:
         launch("sp24_backward_operands", _CUDA_ARGS, *(t.data_ptr() for t in (
-            z, da, order, slots, dz_buf, dz_meta, a_buf, meta(a_buf), a_full, g_buf, meta(g_buf), g_full)),
-            T, Tp, Tr, Fh, z.stride(0), da.stride(0), device=z.device)
+            z, da, order, slots, dz_buf, dz_meta, a_buf, _meta(a_buf, Fh, Tp), a_full, g_buf, _meta(g_buf, Fh, Tp),
+            g_full)), T, Tp, Tr, Fh, z.stride(0), da.stride(0), device=z.device)
     else:
         n_bands = Fh // 64
         bands = next(b for b in (bands, 4, 2, 1) if n_bands % b == 0)
         _backward_operands_kernel[(Tr // 32, n_bands // bands)](
-            z, da, order, slots, dz_buf, dz_meta.view(torch.int16), a_buf, meta(a_buf), a_full,
-            g_buf, meta(g_buf), g_full, T, Tp, Fh, z.stride(0), da.stride(0),
+            z, da, order, slots, dz_buf, dz_meta.view(torch.int16), a_buf, _meta(a_buf, Fh, Tp), a_full,
+            g_buf, _meta(g_buf, Fh, Tp), g_full, T, Tp, Fh, z.stride(0), da.stride(0),
             REUSE=reuse_forward_mask, BANDS=bands, num_warps=num_warps)
-    dz = dz_buf.view(Tr, -1) if reuse_forward_mask else None
-    return dz, (a_buf.view(Fh, -1), a_full[:k]), (g_buf.view(Fh, -1), g_full[:k])
+    return _results(dz_buf, outs, Tr, Fh, k, reuse_forward_mask)
+
+
+def a24_usable(device, Fh: int, reuse_forward_mask: bool = True) -> bool:
+    """backward_operands_from_a24 can run: the CUDA library built (make kernels), an sm80/sm90 GPU,
+    the forward mask re-used, F % 64 == 0 and at most 65535 bands. Decided from the device and
+    shapes alone (no data), so that the FFN's forward knows what to keep for its backward."""
+    dev = torch.device(device)
+    return (reuse_forward_mask and dev.type == "cuda" and Fh % 64 == 0 and Fh // 64 <= 65535
+            and KERNELS.available(dev, (8, 9)))
+
+
+def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
+                               slots: Optional[Tensor] = None):
+    """backward_operands, reading the forward's compressed A24 (srelu_sparsify24's buffer for the
+    same T tokens, [padded_rows(T), 9F/16]) instead of Z: the FFN then keeps A24 (9/16 of Z's
+    bytes) for its backward, and the pass reads about 190 MiB less at 7B, T=16384. The CUDA
+    kernel only (`a24_usable`); the forward mask re-used. Equal to backward_operands(z, ...) bit for
+    bit wherever the positive entries of Z lie in [1.1e-19, 1.8e19] (bf16(z^2) normal and finite:
+    relu(z) is recovered exactly as bf16(sqrt(a))); smaller ones give dZ = 0 there."""
+    T, Fh = da.shape
+    Tr, Tp = padded_rows(T), padded_tokens(T)
+    if tuple(a24.shape) != (Tr, Fh * 9 // 16) or a24.dtype != torch.bfloat16 or not a24.is_contiguous():
+        raise ValueError(f"backward_operands_from_a24 needs A24 as srelu_sparsify24 writes it for dA's {T} tokens: "
+                         f"bf16 [{Tr}, {Fh * 9 // 16}], contiguous; got {a24.dtype} {tuple(a24.shape)}")
+    check_tokens_input(da, None)
+    if Tr * max(Fh, da.stride(0)) >= 2**31:
+        raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
+    if not (a24_usable(da.device, Fh) and kernels_usable(a24, da)):
+        raise ValueError(f"backward_operands_from_a24 needs {KERNELS.path()} ({KERNELS.make_target}), an sm80/sm90 "
+                         f"GPU, F % 64 == 0 and 16-byte aligned rows; backward_operands(z, ...) runs anywhere")
+    order = _token_order(perm, T, da.device)
+    slots, k = _checked_slots(slots, dense, Fh, da.device)
+    dz_buf, outs = _outputs(Tr, Tp, Fh, k, True, da.device)
+    (a_buf, a_full), (g_buf, g_full) = outs
+    launch("sp24_backward_operands_a24", _CUDA_A24_ARGS, *(t.data_ptr() for t in (
+        a24, _meta(a24, Tr, Fh), da, order, slots, dz_buf, _meta(dz_buf, Tr, Fh), a_buf, _meta(a_buf, Fh, Tp), a_full,
+        g_buf, _meta(g_buf, Fh, Tp), g_full)), T, Tp, Tr, Fh, da.stride(0), device=da.device)
+    return _results(dz_buf, outs, Tr, Fh, k, True)
 
 
 @triton.jit

@@ -3,7 +3,9 @@ kernels/cusparselt.py; algorithm ids from torch's search).
 
 Same function as model.sparse24.srelu24_ffn (its reference), GEMM by GEMM:
 
-    forward   Z = X W1^T (dense); A24 = fused srelu + 2:4 + compress; Y = A24 W2^T (sparse)
+    forward   Z = X W1^T (dense); A24 = fused srelu + 2:4 + compress; Y = A24 W2^T (sparse);
+              compressed A24 kept for the backward (9/16 of Z's bytes; Z where the CUDA kernels
+              are not built, the Triton backward reads Z)
     backward  dA = dY W2 (dense)
               dX = dZ W1                 sparse: dZ compressed with the forward positions
                                          (dense GEMM when reuse_forward_mask is off)
@@ -26,8 +28,9 @@ from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_ord
 from model.stats import N_SUMS, sparse24_sums_from_counts
 
 from .cusparselt import cached_mm, torch_mm
-from .sparsify24 import srelu_sparsify24
-from .sparsify24_backward import backward_operands, dense_slots, padded_tokens, write_dense_columns, write_dense_rows
+from .sparsify24 import padded_rows, srelu_sparsify24
+from .sparsify24_backward import (a24_usable, backward_operands, backward_operands_from_a24, dense_slots, padded_tokens,
+                                  write_dense_columns, write_dense_rows)
 
 
 def available(x: Tensor) -> bool:
@@ -79,9 +82,10 @@ def _check_bf16(op: str, **tensors: Tensor) -> None:
 @torch.library.custom_op("sparse24::srelu24_ffn_fwd", mutates_args=())
 def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dense_feature_fraction: float,
                     token_permutation: bool, reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(Y [T, d], Z [T, F] for backward, kept non-zeros per feature [F] int32, the statistics
-    row [N_SUMS] float64, empty unless collect_stats). The last two switches are the backward's,
-    passed here so that the op's inputs hold the whole recipe."""
+    """(Y [T, d], what the backward reads (`keeps_a24`: compressed A24 [padded_rows(T), 9F/16],
+    else Z [T, F]), kept non-zeros per feature [F] int32, the statistics row [N_SUMS] float64,
+    empty unless collect_stats). The last two switches are the backward's, passed here so that
+    the op's inputs hold the whole recipe."""
     _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T = x.shape[0]
     z = x @ w1.t()
@@ -92,32 +96,45 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
     # the row only on logged steps; otherwise an empty tensor (no launch on the hot path)
     row = (sparse24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))
-    return y, z, counts, row
+    return y, buf if keeps_a24(x, w1, reuse_forward_mask) else z, counts, row
 
 
 @srelu24_ffn_fwd.register_fake
 def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask):
     _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T, F_ = x.shape[0], w1.shape[0]
-    return (x.new_empty(T, w2.shape[0]), x.new_empty(T, F_), x.new_empty(F_, dtype=torch.int32),
+    saved = (x.new_empty(padded_rows(T), F_ * 9 // 16) if keeps_a24(x, w1, reuse_forward_mask)
+             else x.new_empty(T, F_))
+    return (x.new_empty(T, w2.shape[0]), saved, x.new_empty(F_, dtype=torch.int32),
             x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64))
 
 
+def keeps_a24(x: Tensor, w1: Tensor, reuse_forward_mask: bool) -> bool:
+    """Whether the forward keeps compressed A24 for the backward (the CUDA backward kernel reads
+    it), rather than Z (the Triton kernel's input). Decided from device and shapes alone, so the
+    fake (meta) forward agrees with the real one."""
+    return a24_usable(x.device, w1.shape[0], reuse_forward_mask)
+
+
 @torch.library.custom_op("sparse24::srelu24_ffn_bwd", mutates_args=())
-def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, counts: Tensor,
+def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
                     token_permutation: bool, dense_feature_fraction: float,
                     reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dX, dW1, dW2), all bf16."""
-    _check_bf16("srelu24_ffn_bwd", x=x, w1=w1, w2=w2, z=z)
-    T = x.shape[0]
+    """(dX, dW1, dW2), all bf16. saved: the forward's compressed A24 or Z (srelu24_ffn_fwd)."""
+    _check_bf16("srelu24_ffn_bwd", x=x, w1=w1, w2=w2, saved=saved)
+    T, F_ = x.shape[0], w1.shape[0]
+    from_a24 = saved.shape[1] != F_  # A24 is [padded T, 9F/16]
     dy = dy.to(torch.bfloat16).contiguous()
     da = dy @ w2                                           # [T, F] dense
     perm = random_token_order(T, x.device) if token_permutation else None
     dense = densest_from_counts(counts, dense_feature_fraction)
-    slots = dense_slots(dense, z.shape[1], z.device)[0] if dense is not None else None
-    # one pass over Z and dA writes all three sparse operands (dZ's rows in permuted order)
-    dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(z, da, perm, dense, reuse_forward_mask,
-                                                                 slots=slots)
+    slots = dense_slots(dense, F_, x.device)[0] if dense is not None else None
+    # one pass over A24 (or Z) and dA writes all three sparse operands (dZ's rows in permuted order)
+    if from_a24:
+        dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands_from_a24(saved, da, perm, dense, slots=slots)
+    else:
+        dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(saved, da, perm, dense, reuse_forward_mask,
+                                                                     slots=slots)
     if reuse_forward_mask:
         dx = sparse_mm(dz_buf, w1)[:T]
         if perm is not None:  # back to token order: a gather by the inverse (a scatter took 3x as long)
@@ -125,7 +142,7 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
             inverse[perm] = torch.arange(T, device=perm.device)
             dx = dx.index_select(0, inverse)
     else:  # dZ is not 2:4 then: a dense GEMM (the ablation, not the fast path)
-        dx = (da * (2 * F.relu(z))) @ w1
+        dx = (da * (2 * F.relu(saved))) @ w1  # saved is Z here: keeps_a24 needs the forward mask
 
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
@@ -140,24 +157,24 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, z: Tensor, co
 
 
 @srelu24_ffn_bwd.register_fake
-def _(dy, x, w1, w2, z, counts, token_permutation, dense_feature_fraction, reuse_forward_mask):
+def _(dy, x, w1, w2, saved, counts, token_permutation, dense_feature_fraction, reuse_forward_mask):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
 
 
 def _setup_context(ctx, inputs, output):
     x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask = inputs
-    _, z, counts, _ = output
-    ctx.save_for_backward(x, w1, w2, z, counts)
-    # Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
-    # for Z before the backward, a 0.16 ms memset of [T, F] at 7B T=16384 (benchmarks/RESULTS.md)
+    _, saved, counts, _ = output
+    ctx.save_for_backward(x, w1, w2, saved, counts)
+    # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
+    # for them before the backward, a 0.16 ms memset of [T, F] at 7B T=16384 (benchmarks/RESULTS.md)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts and the row do not
     if dy is None:  # Y unused by the loss (grads are not materialised)
         return None, None, None, None, None, None, None
-    x, w1, w2, z, counts = ctx.saved_tensors
-    dx, dw1, dw2 = srelu24_ffn_bwd(dy, x, w1, w2, z, counts, ctx.token_permutation, ctx.dense_feature_fraction,
+    x, w1, w2, saved, counts = ctx.saved_tensors
+    dx, dw1, dw2 = srelu24_ffn_bwd(dy, x, w1, w2, saved, counts, ctx.token_permutation, ctx.dense_feature_fraction,
                                    ctx.reuse_forward_mask)
     return dx, dw1, dw2, None, None, None, None
 

@@ -343,6 +343,56 @@ def test_backward_operands_on_cuda_equal_reference(backend, t, f, n_dense, permu
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` (build/sp24_kernels.so) and an sm80/sm90 GPU")
+@pytest.mark.parametrize("t,f,n_dense,permuted", [(4000, 1024, 3, True), (100, 128, 0, False), (80, 192, 5, True),
+                                                  (4096, 2048, 100, True), (1000, 64, 64, True), (33, 256, 1, True)])
+def test_backward_operands_from_a24_equal_reference(t, f, n_dense, permuted):
+    """The backward pass reading the forward's compressed A24 (what the FFN keeps) instead of Z:
+    bit for bit the reference over Z, on fresh random inputs with zeros, ties and all-zero groups,
+    token counts off the tiles, strided dA rows in one case."""
+    from kernels.sparsify24_backward import backward_operands_from_a24, backward_operands_reference
+
+    z = random_z(t, f, seed=t + f + 1, device="cuda")
+    z[t // 2:, f // 2:] = -z[t // 2:, f // 2:]
+    wide = random_z(t, f + 64, seed=t * f + 1, device="cuda")
+    da = wide[:, 64:] if t == 80 else wide[:, :f].contiguous()
+    perm = torch.randperm(t, device="cuda") if permuted else None
+    dense = torch.randperm(f, device="cuda")[:n_dense] if n_dense else None
+    a24 = srelu_sparsify24(z)[0]
+    got = backward_operands_from_a24(a24, da, perm, dense)
+    want = backward_operands_reference(z, da, perm, dense)
+    assert_operands_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` and an sm80/sm90 GPU")
+def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
+    """With the CUDA kernels the forward op hands autograd A24 (9/16 of Z's bytes), not Z."""
+    import kernels.srelu24_ffn as K
+
+    x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16) / 16
+    w2 = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    _, saved, _, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, True, True)
+    want = srelu_sparsify24(x @ w1.t())[0]
+    assert saved.shape == (padded_rows(1000), 1024 * 9 // 16) and torch.equal(saved.view(torch.int16),
+                                                                             want.view(torch.int16))
+    _, saved, _, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, True, False)  # the ablation's backward reads Z
+    assert saved.shape == (1000, 1024)
+
+
+def test_backward_operands_from_a24_names_what_it_needs():
+    from kernels.sparsify24_backward import backward_operands_from_a24
+
+    da = random_z(100, 128, seed=2)
+    with pytest.raises(ValueError, match=r"needs A24 as srelu_sparsify24 writes it for dA's 100 tokens: "
+                                         r"bf16 \[128, 72\], contiguous; got torch.bfloat16 \(100, 128\)"):
+        backward_operands_from_a24(da, da, None, None)
+    with pytest.raises(ValueError, match="make kernels.*backward_operands\\(z, ...\\) runs anywhere"):
+        backward_operands_from_a24(torch.zeros(128, 72, dtype=torch.bfloat16), da, None, None)  # on CPU
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` and an sm80/sm90 GPU")
 def test_backward_operands_cuda_kernel_reads_strided_rows():
     """Z and dA as row slices of wider buffers (row strides that are not the feature count)."""

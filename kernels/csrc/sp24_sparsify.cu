@@ -98,8 +98,28 @@ __device__ __forceinline__ uint32_t combine_word(const uint32_t (&part)[2], cons
 // Position of word (row block c, row a, m) of the 64x32 metadata tile `tile` (cuSPARSELt's layout).
 __device__ __forceinline__ int64_t word_index(int64_t tile, int c, int a, int m) { return tile * 128 + 4 * (8 * c + a) + m; }
 
+// The forward's kept pair of group e (0, 1) of this thread's 8 features in one row of A24 (cuSPARSELt's
+// layout, as srelu_sparsify_kernel writes it): values `pair` (bf16 x2) and positions nibble p0 | p1 << 2.
+// The row's two nibbles of groups 2o, 2o + 1 sit in words 2 (o % 2) and 2 (o % 2) + 1 of the row's
+// (c, a) line of its 64x32 tile, at nibble b + 2h: one aligned 32-bit load (see combine_word).
+__device__ __forceinline__ uint32_t a24_nibbles(const uint16_t* __restrict__ meta, int64_t row, int F, int band,
+                                                const RowLayout& L) {
+  const int rr = (int)(row & 63);
+  const int64_t tile = (row >> 6) * (F / 32) + band * 2 + (L.o >> 2);
+  const int64_t word = word_index(tile, rr >> 4, rr & 7, 2 * (L.o & 1));
+  const uint32_t both = __ldg(reinterpret_cast<const uint32_t*>(meta + word));
+  const int shift = 4 * (((rr >> 3) & 1) + 2 * L.h);
+  return ((both >> shift) & 0xF) | (((both >> (16 + shift)) & 0xF) << 4);  // group 2o, then 2o + 1
+}
+
+// kFromA24: the row pass reads the forward's compressed A24 (values + metadata) instead of Z, so the
+// FFN keeps 9/16 of Z's bytes for its backward and this pass reads less. relu(z) is recovered as
+// bf16(sqrt(a)): exact for every bf16 z with a = bf16(z^2) normal and finite (1.1e-19 <= z <= 1.8e19,
+// checked for all bf16 values); the kept positions are the forward's own.
+template <bool kFromA24>
 __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operands_kernel(
-    const uint16_t* __restrict__ z, const uint16_t* __restrict__ da, const int* __restrict__ order,
+    const uint16_t* __restrict__ z, const uint16_t* __restrict__ a24m, const uint16_t* __restrict__ da,
+    const int* __restrict__ order,
     const int* __restrict__ slots, uint16_t* __restrict__ dzv, uint16_t* __restrict__ dzm, uint16_t* __restrict__ av,
     uint16_t* __restrict__ am, uint16_t* __restrict__ afull, uint16_t* __restrict__ gv, uint16_t* __restrict__ gm,
     uint16_t* __restrict__ gfull, int T, int Tp, int F, int64_t stride_z, int64_t stride_da) {
@@ -119,14 +139,19 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
   {
     const RowLayout L(t);
     const int64_t col = (int64_t)band * kFeat + 8 * L.o;
-    uint4 zq[4], dq[4];
+    uint4 zq[4], dq[4];  // kFromA24: zq[j].x, .y the kept pairs of groups 2o, 2o + 1, .z their nibbles
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // all loads first: 8 x 16 bytes in flight per thread
       const int tok = tok0 + L.row(j);
       zq[j] = dq[j] = make_uint4(0, 0, 0, 0);  // padding tokens read as zeros
       if (tok < T) {
         const int64_t src = order[tok];
-        zq[j] = __ldg(reinterpret_cast<const uint4*>(z + src * stride_z + col));
+        if constexpr (kFromA24) {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(z + src * (F / 2) + (int64_t)band * (kFeat / 2) + 4 * L.o));
+          zq[j] = make_uint4(v.x, v.y, a24_nibbles(a24m, src, F, band, L), 0);
+        } else {
+          zq[j] = __ldg(reinterpret_cast<const uint4*>(z + src * stride_z + col));
+        }
         dq[j] = __ldg(reinterpret_cast<const uint4*>(da + src * stride_da + col));
       }
     }
@@ -137,10 +162,25 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
       for (int b = 0; b < 2; ++b) {
         const int j = b + 2 * ci, r = L.row(j);
         uint32_t abits[8], dbits[8];
+        if constexpr (kFromA24) {  // padding rows (zeros, nibbles 0) give a = 0 everywhere, as from Z
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const uint32_t pair = e ? zq[j].y : zq[j].x, nib = (zq[j].z >> (4 * e)) & 0xF;
+            const uint32_t p0 = nib & 3, p1 = nib >> 2;
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+              abits[4 * e + q] = q == p0 ? (pair & 0xFFFF) : q == p1 ? (pair >> 16) : 0u;
+          }
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const float rz = fmaxf(bf16_to_float(half_of(zq[j], i)), 0.0f);
-          abits[i] = float_to_bf16(rz * rz);
+          float rz;
+          if constexpr (kFromA24) {
+            rz = bf16_to_float(float_to_bf16(__fsqrt_rn(bf16_to_float(abits[i]))));  // == relu(z), see above
+          } else {
+            rz = fmaxf(bf16_to_float(half_of(zq[j], i)), 0.0f);
+            abits[i] = float_to_bf16(rz * rz);
+          }
           dbits[i] = float_to_bf16(bf16_to_float(half_of(dq[j], i)) * (2.0f * rz));  // rounded once, as torch does
         }
         uint32_t kept[2], ma[4], md[4];  // per group: dZ's kept values; masked A24 and dZ (bf16 pairs)
@@ -148,7 +188,13 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
         for (int e = 0; e < 2; ++e) {
           const uint32_t* ag = abits + 4 * e;
           const uint32_t* dg = dbits + 4 * e;
-          const Top2 sel = top2(ag[0], ag[1], ag[2], ag[3]);  // the forward mask (a >= 0)
+          Top2 sel;  // the forward mask: as stored with A24, or recomputed from Z (a >= 0)
+          if constexpr (kFromA24) {
+            const uint32_t nib = (zq[j].z >> (4 * e)) & 0xF, p0 = nib & 3, p1 = nib >> 2;
+            sel = Top2{p0 == 0, p0 == 1 || p1 == 1, p0 == 2 || p1 == 2, p1 == 3};
+          } else {
+            sel = top2(ag[0], ag[1], ag[2], ag[3]);
+          }
           kept[e] = sel.pair(dg[0], dg[1], dg[2], dg[3]);
           part[e] |= sel.nibble() << (4 * b + 8 * L.h);
           ma[2 * e] = (sel.k0 ? ag[0] : 0u) | ((sel.k1 ? ag[1] : 0u) << 16);
@@ -302,7 +348,7 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
 extern "C" {
 
 // Bumped whenever an exported signature changes; kernels/native.py checks it.
-int sp24_kernels_abi_version() { return 2; }
+int sp24_kernels_abi_version() { return 3; }
 
 // z: [M, K] bf16 (row stride in elements); val/meta: A24's compressed values and metadata ([Mp, K]
 // with Mp = M padded to 64: padding rows as zeros); counts: [K] int32, zeroed by the caller. K % 64 ==
@@ -326,11 +372,26 @@ int sp24_backward_operands(const void* z, const void* da, const int* order, cons
                            void* av, void* am, void* afull, void* gv, void* gm, void* gfull, int T, int Tp, int Tr,
                            int F, int64_t stride_z, int64_t stride_da, cudaStream_t stream) {
   if (Tr == 0 || F == 0) return 0;
-  backward_operands_kernel<<<dim3(Tr / kTok, F / kFeat), kThreads, 0, stream>>>(
-      static_cast<const uint16_t*>(z), static_cast<const uint16_t*>(da), order, slots, static_cast<uint16_t*>(dzv),
-      static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av), static_cast<uint16_t*>(am),
+  backward_operands_kernel<false><<<dim3(Tr / kTok, F / kFeat), kThreads, 0, stream>>>(
+      static_cast<const uint16_t*>(z), nullptr, static_cast<const uint16_t*>(da), order, slots,
+      static_cast<uint16_t*>(dzv), static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av), static_cast<uint16_t*>(am),
       static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
       static_cast<uint16_t*>(gfull), T, Tp, F, stride_z, stride_da);
+  return (int)cudaGetLastError();
+}
+
+// The same pass reading the forward's compressed A24 instead of Z: a24v/a24m its values [Tr, F/2] and
+// metadata (srelu_sparsify's output for these T rows, Tr = T padded to 64); the rest as above. Equal to
+// the pass over Z bit for bit wherever every positive z is in [1.1e-19, 1.8e19] (bf16(z^2) normal).
+int sp24_backward_operands_a24(const void* a24v, const void* a24m, const void* da, const int* order, const int* slots,
+                               void* dzv, void* dzm, void* av, void* am, void* afull, void* gv, void* gm, void* gfull,
+                               int T, int Tp, int Tr, int F, int64_t stride_da, cudaStream_t stream) {
+  if (Tr == 0 || F == 0) return 0;
+  backward_operands_kernel<true><<<dim3(Tr / kTok, F / kFeat), kThreads, 0, stream>>>(
+      static_cast<const uint16_t*>(a24v), static_cast<const uint16_t*>(a24m), static_cast<const uint16_t*>(da), order,
+      slots, static_cast<uint16_t*>(dzv), static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av),
+      static_cast<uint16_t*>(am), static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
+      static_cast<uint16_t*>(gfull), T, Tp, F, 0, stride_da);
   return (int)cudaGetLastError();
 }
 
