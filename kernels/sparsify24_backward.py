@@ -319,7 +319,8 @@ def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], 
     check_tokens_input(da, None)
     if Tr * max(Fh, da.stride(0)) >= 2**31:
         raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
-    if not (a24_usable(da.device, Fh) and kernels_usable(a24, da)):
+    values = a24.view(-1)[:Tr * Fh // 2].view(Tr, Fh // 2)  # its real rows: 9F/16 is not one
+    if not (a24_usable(da.device, Fh) and kernels_usable(values, da)):
         raise ValueError(f"backward_operands_from_a24 needs {KERNELS.path()} ({KERNELS.make_target}), an sm80/sm90 "
                          f"GPU, F % 64 == 0 and 16-byte aligned rows; backward_operands(z, ...) runs anywhere")
     order = _token_order(perm, T, da.device)

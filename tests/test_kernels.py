@@ -381,6 +381,24 @@ def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
     assert saved.shape == (1000, 1024)
 
 
+def test_relu_comes_back_exactly_from_the_rounded_square():
+    """What the backward over A24 relies on (kernels/csrc/sp24_sparsify.cu, relu_from_a24): for every
+    bf16 z whose square is a normal bf16, bf16(sqrt(bf16(z^2))) == z, and sqrt(a) stays far enough
+    (> 2^-11 relative) from a rounding boundary that an approximate sqrt (error ~2^-22) rounds the same."""
+    bits = torch.arange(0x0080, 0x7F80, dtype=torch.int32).to(torch.int16)  # every positive normal bf16
+    z = bits.view(torch.bfloat16)
+    a = (z.float() * z.float()).to(torch.bfloat16)
+    normal = torch.isfinite(a.float()) & (a.float() >= torch.finfo(torch.float32).tiny)
+    assert normal.sum() > 16000
+    z, a = z[normal], a[normal]
+    assert torch.equal(torch.sqrt(a.float()).to(torch.bfloat16), z)
+    s, zi = torch.sqrt(a.double()), z.view(torch.int16).int()
+    up = (zi + 1).to(torch.int16).view(torch.bfloat16).double()
+    down = (zi - 1).to(torch.int16).view(torch.bfloat16).double()
+    margin = torch.minimum((z.double() + up) / 2 - s, s - (z.double() + down) / 2) / s
+    assert margin.min().item() > 2 ** -11
+
+
 def test_backward_operands_from_a24_names_what_it_needs():
     from kernels.sparsify24_backward import backward_operands_from_a24
 

@@ -112,10 +112,18 @@ __device__ __forceinline__ uint32_t a24_nibbles(const uint16_t* __restrict__ met
   return ((both >> shift) & 0xF) | (((both >> (16 + shift)) & 0xF) << 4);  // group 2o, then 2o + 1
 }
 
+// relu(z) from a = bf16(relu(z)^2), as the forward kernel rounded it: bf16(sqrt(a)) == z for every bf16
+// z with a normal and finite (1.1e-19 <= z <= 1.8e19; checked for all bf16 values). sqrt(a) lies at
+// least 2^-10.15 (relative) from a bf16 rounding boundary there, so the hardware reciprocal square
+// root (error about 2^-22) rounds to the same z as a correctly rounded sqrt, without its slow path.
+__device__ __forceinline__ float relu_from_a24(uint32_t a_bits) {
+  const float a = bf16_to_float(a_bits);
+  return a > 0.0f ? bf16_to_float(float_to_bf16(a * rsqrtf(a))) : 0.0f;
+}
+
 // kFromA24: the row pass reads the forward's compressed A24 (values + metadata) instead of Z, so the
-// FFN keeps 9/16 of Z's bytes for its backward and this pass reads less. relu(z) is recovered as
-// bf16(sqrt(a)): exact for every bf16 z with a = bf16(z^2) normal and finite (1.1e-19 <= z <= 1.8e19,
-// checked for all bf16 values); the kept positions are the forward's own.
+// FFN keeps 9/16 of Z's bytes for its backward; relu(z) comes back exactly (relu_from_a24) and the
+// kept positions are the forward's own.
 template <bool kFromA24>
 __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operands_kernel(
     const uint16_t* __restrict__ z, const uint16_t* __restrict__ a24m, const uint16_t* __restrict__ da,
@@ -161,46 +169,46 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
         const int j = b + 2 * ci, r = L.row(j);
-        uint32_t abits[8], dbits[8];
-        if constexpr (kFromA24) {  // padding rows (zeros, nibbles 0) give a = 0 everywhere, as from Z
+        uint32_t kept[2], ma[4], md[4];  // per group: dZ's kept values; masked A24 and dZ (bf16 pairs)
+        if constexpr (kFromA24) {
+          // only the two kept values of a group: relu(z) = bf16(sqrt(a)), dZ = bf16(dA * 2 relu(z)).
+          // Padding rows (zeros, nibble 0) give zeros and nibble (0, 1), as from Z.
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const uint32_t pair = e ? zq[j].y : zq[j].x, nib = (zq[j].z >> (4 * e)) & 0xF;
-            const uint32_t p0 = nib & 3, p1 = nib >> 2;
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-              abits[4 * e + q] = q == p0 ? (pair & 0xFFFF) : q == p1 ? (pair >> 16) : 0u;
+            const uint32_t p0 = nib & 3, p1 = nib >> 2, v0 = pair & 0xFFFF, v1 = pair >> 16;
+            const uint32_t d0 = half_of(dq[j], 4 * e), d1 = half_of(dq[j], 4 * e + 1);
+            const uint32_t d2 = half_of(dq[j], 4 * e + 2), d3 = half_of(dq[j], 4 * e + 3);
+            const float r0 = relu_from_a24(v0), r1 = relu_from_a24(v1);
+            const uint32_t g0 = float_to_bf16(bf16_to_float(p0 == 0 ? d0 : p0 == 1 ? d1 : d2) * (2.0f * r0));
+            const uint32_t g1 = float_to_bf16(bf16_to_float(p1 == 3 ? d3 : p1 == 2 ? d2 : d1) * (2.0f * r1));
+            kept[e] = g0 | (g1 << 16);
+            part[e] |= (nib ? nib : 4u) << (4 * b + 8 * L.h);  // a padding row's zero nibble: (0, 1)
+            ma[2 * e] = (p0 == 0 ? v0 : 0u) | ((p0 == 1 ? v0 : p1 == 1 ? v1 : 0u) << 16);
+            ma[2 * e + 1] = (p0 == 2 ? v0 : p1 == 2 ? v1 : 0u) | ((p1 == 3 ? v1 : 0u) << 16);
+            md[2 * e] = (p0 == 0 ? g0 : 0u) | ((p0 == 1 ? g0 : p1 == 1 ? g1 : 0u) << 16);
+            md[2 * e + 1] = (p0 == 2 ? g0 : p1 == 2 ? g1 : 0u) | ((p1 == 3 ? g1 : 0u) << 16);
           }
-        }
+        } else {
+          uint32_t abits[8], dbits[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float rz;
-          if constexpr (kFromA24) {
-            rz = bf16_to_float(float_to_bf16(__fsqrt_rn(bf16_to_float(abits[i]))));  // == relu(z), see above
-          } else {
-            rz = fmaxf(bf16_to_float(half_of(zq[j], i)), 0.0f);
+          for (int i = 0; i < 8; ++i) {
+            const float rz = fmaxf(bf16_to_float(half_of(zq[j], i)), 0.0f);
             abits[i] = float_to_bf16(rz * rz);
+            dbits[i] = float_to_bf16(bf16_to_float(half_of(dq[j], i)) * (2.0f * rz));  // rounded once, as torch does
           }
-          dbits[i] = float_to_bf16(bf16_to_float(half_of(dq[j], i)) * (2.0f * rz));  // rounded once, as torch does
-        }
-        uint32_t kept[2], ma[4], md[4];  // per group: dZ's kept values; masked A24 and dZ (bf16 pairs)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const uint32_t* ag = abits + 4 * e;
-          const uint32_t* dg = dbits + 4 * e;
-          Top2 sel;  // the forward mask: as stored with A24, or recomputed from Z (a >= 0)
-          if constexpr (kFromA24) {
-            const uint32_t nib = (zq[j].z >> (4 * e)) & 0xF, p0 = nib & 3, p1 = nib >> 2;
-            sel = Top2{p0 == 0, p0 == 1 || p1 == 1, p0 == 2 || p1 == 2, p1 == 3};
-          } else {
-            sel = top2(ag[0], ag[1], ag[2], ag[3]);
+          for (int e = 0; e < 2; ++e) {
+            const uint32_t* ag = abits + 4 * e;
+            const uint32_t* dg = dbits + 4 * e;
+            const Top2 sel = top2(ag[0], ag[1], ag[2], ag[3]);  // the forward mask (a >= 0)
+            kept[e] = sel.pair(dg[0], dg[1], dg[2], dg[3]);
+            part[e] |= sel.nibble() << (4 * b + 8 * L.h);
+            ma[2 * e] = (sel.k0 ? ag[0] : 0u) | ((sel.k1 ? ag[1] : 0u) << 16);
+            ma[2 * e + 1] = (sel.k2 ? ag[2] : 0u) | ((sel.k3 ? ag[3] : 0u) << 16);
+            md[2 * e] = (sel.k0 ? dg[0] : 0u) | ((sel.k1 ? dg[1] : 0u) << 16);
+            md[2 * e + 1] = (sel.k2 ? dg[2] : 0u) | ((sel.k3 ? dg[3] : 0u) << 16);
           }
-          kept[e] = sel.pair(dg[0], dg[1], dg[2], dg[3]);
-          part[e] |= sel.nibble() << (4 * b + 8 * L.h);
-          ma[2 * e] = (sel.k0 ? ag[0] : 0u) | ((sel.k1 ? ag[1] : 0u) << 16);
-          ma[2 * e + 1] = (sel.k2 ? ag[2] : 0u) | ((sel.k3 ? ag[3] : 0u) << 16);
-          md[2 * e] = (sel.k0 ? dg[0] : 0u) | ((sel.k1 ? dg[1] : 0u) << 16);
-          md[2 * e + 1] = (sel.k2 ? dg[2] : 0u) | ((sel.k3 ? dg[3] : 0u) << 16);
         }
         *reinterpret_cast<uint2*>(dzv + (int64_t)(tok0 + r) * (F / 2) + (int64_t)band * (kFeat / 2) + 4 * L.o) =
             make_uint2(kept[0], kept[1]);
