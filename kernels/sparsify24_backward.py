@@ -17,7 +17,8 @@ inputs (NaN or Inf in dA, NaN in Z, and the sign of zeros made from a -0.0 in Z 
 kernel takes max(z, 0) where torch's relu can keep -0.0).
 
 A CUDA C++ version of the same pass (kernels/csrc/sp24_sparsify.cu, `make kernels`) is used
-instead when it is built: this Triton kernel is instruction-bound, because both 2:4 metadata
+instead when it is built, in a variant that reads the forward's compressed A24 in place of Z
+(`backward_operands_from_a24`: the FFN then keeps 9/16 of Z's bytes for its backward): this Triton kernel is instruction-bound, because both 2:4 metadata
 layouts pack nibbles of rows 8 apart into one word, which costs Triton cross-thread reductions
 and layout conversions; the CUDA kernel moves the tile once through shared memory. Both must
 equal the reference bit for bit.
