@@ -139,7 +139,7 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
         dx = sparse_mm(dz_buf, w1)[:T]
         if perm is not None:  # back to token order: a gather by the inverse (a scatter took 3x as long)
             inverse = torch.empty_like(perm)
-            inverse[perm] = torch.arange(T, device=perm.device)
+            inverse[perm] = torch.arange(T, device=perm.device, dtype=perm.dtype)
             dx = dx.index_select(0, inverse)
     else:  # dZ is not 2:4 then: a dense GEMM (the ablation, not the fast path)
         dx = (da * (2 * F.relu(saved))) @ w1  # saved is Z here: keeps_a24 needs the forward mask

@@ -146,7 +146,7 @@ def breakdown(D: int, Fh: int, T: int, density=None) -> dict:
     def orders():
         p = random_token_order(T, "cuda")
         inv = torch.empty_like(p)
-        inv[p] = torch.arange(T, device="cuda")
+        inv[p] = torch.arange(T, device="cuda", dtype=p.dtype)
         return inv, densest_from_counts(counts, RECIPE.dense_feature_fraction)
 
     inverse = orders()[0]

@@ -54,7 +54,7 @@ def main() -> int:
         d = densest_from_counts(counts, 0.05)
         dense_slots(d, Fh, "cuda")
         inv = torch.empty_like(p)
-        inv[p] = torch.arange(T, device="cuda")
+        inv[p] = torch.arange(T, device="cuda", dtype=p.dtype)
 
     def gathers():
         return dy[perm], x[perm]

@@ -477,3 +477,16 @@ def test_transformer_set_sparse24_flips_every_layer():
     before = m2(tok)
     m2.set_sparse24(True)
     assert torch.equal(m2(tok), before)
+
+
+def test_random_token_order_is_an_int32_permutation_from_the_cpu_generator():
+    """Drawn on the host (a GPU randperm is a dozen sort launches per layer), reproducible from
+    torch.manual_seed, on the device asked for."""
+    from model.sparse24 import random_token_order
+
+    torch.manual_seed(5)
+    a = random_token_order(1000, "cpu")
+    torch.manual_seed(5)
+    b = random_token_order(1000, torch.device("cpu"))
+    assert a.dtype == torch.int32 and a.device.type == "cpu" and torch.equal(a, b)
+    assert torch.equal(a.sort().values, torch.arange(1000, dtype=torch.int32)) and not torch.equal(a, a.sort().values)
