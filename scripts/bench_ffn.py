@@ -31,7 +31,7 @@ from kernels.sparsify24 import cuda_usable as sparsify_cuda_usable  # noqa: E402
 from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
 from model.sparse24 import mask_2to4  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs, swiglu_weights  # noqa: E402
-from scripts.gpu_clocks import clocks_during  # noqa: E402
+from training.gpu_clocks import clocks_during  # noqa: E402
 from training.logger import environment  # noqa: E402
 
 BF = torch.bfloat16

@@ -38,7 +38,7 @@ from training.logger import environment  # noqa: E402
 from training.loop import use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
-from scripts.gpu_clocks import ClockSampler  # noqa: E402
+from training.gpu_clocks import ClockSampler  # noqa: E402
 
 
 def load_config(overrides: list[str]):

@@ -26,7 +26,7 @@ from triton.testing import do_bench  # noqa: E402
 from kernels.srelu24_ffn import srelu24_ffn_kernels  # noqa: E402
 from model.sparse24 import Sparse24Recipe  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
-from scripts.gpu_clocks import clocks_during  # noqa: E402
+from training.gpu_clocks import clocks_during  # noqa: E402
 
 MARKER = "spin"  # torch.cuda._sleep's kernel name contains it
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from scripts.ffn_inputs import ffn_inputs
-from scripts.gpu_clocks import parse, summarise
+from training.gpu_clocks import parse, summarise
 
 
 @pytest.mark.parametrize("density", [0.5, 0.1, 0.02])
@@ -60,7 +60,7 @@ def test_profiled_kernels_fall_into_the_step_figures_categories():
 
 
 def test_clock_sampler_reports_why_it_has_no_samples(monkeypatch, tmp_path):
-    from scripts.gpu_clocks import ClockSampler, nvidia_smi_id
+    from training.gpu_clocks import ClockSampler, nvidia_smi_id
 
     assert nvidia_smi_id(None) is None
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
@@ -96,3 +96,55 @@ def test_bench_step_names_a_bad_variant_and_refuses_to_replot_what_it_cannot(tmp
     unprofiled.write_text('{"results": [{"ffn": "srelu"}]}')
     r = run_bench_step("--replot", str(unprofiled))
     assert r.returncode != 0 and "has no kernel profile (run with --profile STEPS)" in r.stderr
+
+
+FAKE_SMI = """#!/bin/sh
+# a stand-in for nvidia-smi -lms: a sample every 20 ms, the clock rising by 1 MHz each time
+i=0
+while true; do echo "$((1400 + i)), 690.5, 60, 0x0000000000000004"; i=$((i + 1)); sleep 0.02; done
+"""
+
+
+def test_clock_sampler_streams_medians_per_interval(monkeypatch, tmp_path):
+    import time
+
+    from training.gpu_clocks import ClockSampler
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(FAKE_SMI)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    s = ClockSampler(interval_ms=20).start()
+    try:
+        time.sleep(0.4)
+        first = s.take()
+        time.sleep(0.4)
+        second = s.take()
+    finally:
+        s.stop()
+    assert first["samples"] >= 3 and second["samples"] >= 3
+    assert second["sm_clock_mhz"] > first["sm_clock_mhz"] and first["power_w"] == 690.5  # separate intervals
+    assert s.summary()["samples"] >= first["samples"] + second["samples"] and "error" not in s.summary()
+    assert s.thread is None and s.proc.poll() is not None  # stopped: no reader, no process left
+
+
+def test_throughput_logs_the_interval_clock_when_given_a_sampler():
+    import torch
+
+    from training.metrics import Throughput
+
+    class Sampler:
+        def __init__(self, answers):
+            self.answers = answers
+
+        def take(self):
+            return self.answers.pop(0)
+
+    m = Throughput(torch.device("cpu"), 100, 10, clocks=Sampler([{"samples": 4, "sm_clock_mhz": 1560.0,
+                                                                   "power_w": 691.0}, {"error": "no samples"}]))
+    m.step()
+    row = m.read()
+    assert row["gpu_sm_clock_mhz"] == 1560.0 and row["gpu_power_w"] == 691.0
+    m.step()
+    assert "gpu_sm_clock_mhz" not in m.read()  # an interval without samples logs nothing, not a stale value
+    assert "gpu_sm_clock_mhz" not in Throughput(torch.device("cpu"), 100, 10).read()

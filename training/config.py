@@ -89,6 +89,9 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # on GPUs: the median SM clock and power of each log interval (nvidia-smi every 0.5 s; the
+    # speed of a power-capped GPU follows them). Off, or without nvidia-smi: not logged.
+    gpu_clocks: bool = True
 
 
 @dataclass

@@ -30,6 +30,7 @@ from .distributed import (Dist, agree, broadcast_object, build_model, clip_grad_
                           shutdown, sum_over_ranks)
 from .errors import TrainingError
 from .logger import RunLogger, environment
+from .gpu_clocks import ClockSampler
 from .metrics import Throughput
 from .optim import build_optimizer, lr_at
 from .validate import resolve_vocab_size, total_steps, validate
@@ -146,7 +147,9 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
         model.train()
         return torch.stack(losses).mean().item()
 
-    meter = Throughput(device, size.flops_per_token, tokens_per_step, d.world_size, elapsed_offset=elapsed0)
+    clocks = ClockSampler(device, interval_ms=500).start() if cfg.logging.gpu_clocks and device.type == "cuda" else None
+    meter = Throughput(device, size.flops_per_token, tokens_per_step, d.world_size, elapsed_offset=elapsed0,
+                       clocks=clocks)
     val_loss = train_loss = float("nan")
     speeds, last_row, skipped = [], {}, skipped0
     stop = StopSignal()  # SIGTERM / SIGUSR1 / SIGUSR2 (preemption): checkpoint at the next step boundary, exit 0
@@ -229,6 +232,8 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
         raise
     finally:  # also on errors: leave the process as it was
         stop.restore()
+        if clocks is not None:
+            clocks.stop()
     summary = {"final_train_loss": train_loss, "final_val_loss": val_loss, "steps": steps,
                "tokens": steps * tokens_per_step, "ln_vocab": math.log(vocab_size),
                "params_total": size.total, "params_non_embedding": size.non_embedding}

@@ -24,14 +24,16 @@ def peak_flops(device: torch.device) -> Optional[float]:
 
 
 class Throughput:
-    """Tokens/s, step time, data-wait fraction, MFU and peak memory over each log interval.
+    """Tokens/s, step time, data-wait fraction, MFU, peak memory and (given a clock sampler) the
+    GPU's median SM clock and power over each log interval.
 
     MFU = dense-equivalent FLOPs per token (model/flops.py: 6N + 12LdS) x tokens/s over the
     peak of all devices. srelu24 counts as dense, so its speed-up shows as a higher MFU."""
 
     def __init__(self, device: torch.device, flops_per_token: int, tokens_per_step: int, world_size: int = 1,
-                 elapsed_offset: float = 0.0):
+                 elapsed_offset: float = 0.0, clocks=None):
         self.device, self.flops_per_token, self.tokens_per_step = device, flops_per_token, tokens_per_step
+        self.clocks = clocks  # a started training.gpu_clocks.ClockSampler, or None
         peak = peak_flops(device)
         self.peak = peak * world_size if peak else None
         self.start = time.perf_counter() - elapsed_offset  # wall-clock carries over a resume
@@ -69,5 +71,9 @@ class Throughput:
         if self.device.type == "cuda":
             out["mem_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             out["mem_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        if self.clocks is not None:  # a power-capped GPU runs a hungrier variant at a lower clock
+            c = self.clocks.take()
+            if "samples" in c:
+                out["gpu_sm_clock_mhz"], out["gpu_power_w"] = c["sm_clock_mhz"], c["power_w"]
         self.reset()
         return out
