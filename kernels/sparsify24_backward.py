@@ -311,7 +311,8 @@ def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], 
     bytes) for its backward, and the pass reads about 190 MiB less at 7B, T=16384. The CUDA
     kernel only (`a24_usable`); the forward mask re-used. Equal to backward_operands(z, ...) bit for
     bit wherever the positive entries of Z lie in [1.1e-19, 1.8e19] (bf16(z^2) normal and finite:
-    relu(z) is recovered exactly as bf16(sqrt(a))); smaller ones give dZ = 0 there."""
+    relu(z) is recovered exactly as bf16(sqrt(a))). Outside it dZ differs there: 0 below 6.8e-21
+    (a = 0), an approximate relu(z) up to 1.1e-19 (a subnormal), NaN above 1.8e19 (a = inf)."""
     T, Fh = da.shape
     Tr, Tp = padded_rows(T), padded_tokens(T)
     if tuple(a24.shape) != (Tr, Fh * 9 // 16) or a24.dtype != torch.bfloat16 or not a24.is_contiguous():

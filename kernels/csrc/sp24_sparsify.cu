@@ -116,6 +116,7 @@ __device__ __forceinline__ uint32_t a24_nibbles(const uint16_t* __restrict__ met
 // z with a normal and finite (1.1e-19 <= z <= 1.8e19; checked for all bf16 values). sqrt(a) lies at
 // least 2^-10.15 (relative) from a bf16 rounding boundary there, so the hardware reciprocal square
 // root (error about 2^-22) rounds to the same z as a correctly rounded sqrt, without its slow path.
+// Outside that range: a = 0 gives 0, a subnormal a an approximate z, a = inf NaN.
 __device__ __forceinline__ float relu_from_a24(uint32_t a_bits) {
   const float a = bf16_to_float(a_bits);
   return a > 0.0f ? bf16_to_float(float_to_bf16(a * rsqrtf(a))) : 0.0f;
