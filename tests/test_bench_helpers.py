@@ -148,3 +148,13 @@ def test_throughput_logs_the_interval_clock_when_given_a_sampler():
     m.step()
     assert "gpu_sm_clock_mhz" not in m.read()  # an interval without samples logs nothing, not a stale value
     assert "gpu_sm_clock_mhz" not in Throughput(torch.device("cpu"), 100, 10).read()
+
+
+def test_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work():
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ffn.py"), "--density", "1.5"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--density is the fraction of positive pre-activations, in (0, 1); got 1.5" in r.stderr
