@@ -279,7 +279,7 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     order = _token_order(perm, T, z.device)
     slots, k = _checked_slots(slots, dense, Fh, z.device)
     dz_buf, outs = _outputs(Tr, Tp, Fh, k, reuse_forward_mask, z.device)
-    dz_meta = dz_buf[Tr * Fh // 2:] if reuse_forward_mask else dz_buf
+    dz_meta = _meta(dz_buf, Tr, Fh) if reuse_forward_mask else dz_buf.view(torch.int16)  # a stub without it
     (a_buf, a_full), (g_buf, g_full) = outs
     if cuda:
         launch("sp24_backward_operands", _CUDA_ARGS, *(t.data_ptr() for t in (
@@ -289,7 +289,7 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
         n_bands = Fh // 64
         bands = next(b for b in (bands, 4, 2, 1) if n_bands % b == 0)
         _backward_operands_kernel[(Tr // 32, n_bands // bands)](
-            z, da, order, slots, dz_buf, dz_meta.view(torch.int16), a_buf, _meta(a_buf, Fh, Tp), a_full,
+            z, da, order, slots, dz_buf, dz_meta, a_buf, _meta(a_buf, Fh, Tp), a_full,
             g_buf, _meta(g_buf, Fh, Tp), g_full, T, Tp, Fh, z.stride(0), da.stride(0),
             REUSE=reuse_forward_mask, BANDS=bands, num_warps=num_warps)
     return _results(dz_buf, outs, Tr, Fh, k, reuse_forward_mask)
