@@ -8,9 +8,10 @@ step-time breakdown (data, forward, backward, optimizer), on one device or under
 
 The model is built exactly as the trainer builds it (training/distributed.py: meta device,
 activation checkpointing, torch.compile per block, FSDP2 / DDP, bf16 as the trainer uses it).
-Batches are random tokens of the experiment's micro-batch and sequence length, one micro-batch
-per rank and step ("data" is building it on the host and copying it to the device); gradient
-accumulation is not timed. srelu24 is measured in its 2:4 phase. tokens/s counts all ranks;
+Each step is the trainer's own `training.step.train_step` (clipping, the non-finite check, the
+FFN statistics on the config's logged steps, `--accum` micro-batches). Batches are random
+tokens of the experiment's micro-batch and sequence length ("data" is building them on the host
+and copying them to the device). srelu24 is measured in its 2:4 phase. tokens/s counts all ranks;
 MFU is per GPU. Rank 0 writes a table and benchmarks/results/bench_step.json.
 """
 import argparse
@@ -33,11 +34,12 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from model import FFNKind, Transformer, model_size  # noqa: E402
 from training.config import Strategy, register_configs  # noqa: E402
-from training.distributed import build_model, clip_grad_norm, exit_process, setup, shutdown  # noqa: E402
+from training.distributed import build_model, exit_process, setup, shutdown  # noqa: E402
 from training.logger import environment  # noqa: E402
-from training.loop import use_bf16  # noqa: E402
+from training.loop import autocast_for, use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
+from training.step import StepParts, TrainState, train_step  # noqa: E402
 from training.gpu_clocks import ClockSampler  # noqa: E402
 
 
@@ -48,28 +50,36 @@ def load_config(overrides: list[str]):
 
 
 class Clock:
-    """Phase timer: CUDA events on a GPU (no sync inside the step), perf_counter on CPU."""
+    """Phase timer for train_step's marks: CUDA events on a GPU (no sync inside the step),
+    perf_counter on CPU. Each phase's time is summed over its marks (micro-batches)."""
+
+    PHASES = ("data", "forward", "backward", "optimizer")
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks = []
 
-    def mark(self) -> None:
+    def now(self):
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
+            return e
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks = [("start", self.now())]
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, self.now()))
 
     def phases_ms(self) -> list[float]:
+        """Milliseconds per phase (PHASES order) since start()."""
         if self.cuda:
-            self.marks[-1].synchronize()
-            out = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            out = [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        self.marks = []
-        return out
+            self.marks[-1][1].synchronize()
+        out = dict.fromkeys(self.PHASES, 0.0)
+        for (_, a), (phase, b) in zip(self.marks, self.marks[1:]):
+            out[phase] += a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        return [out[p] for p in self.PHASES]
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
@@ -115,42 +125,40 @@ def bench(cfg, args, d) -> dict:
     bf16 = use_bf16(t.precision, device)
     fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"
     model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab), t, d, 0, fsdp_bf16)
-    model.set_sparse24(cfg.ffn.kind == FFNKind.srelu24)
     opt = build_optimizer(model, cfg.optim, device)
     B, S = t.micro_batch_size, t.seq_len
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not fsdp_bf16 else nullcontext()
-    params = [p for p in model.parameters() if p.requires_grad]
+    lr = cfg.optim.lr
+    # the trainer's step, as the trainer runs it (training/step.py); srelu24 in its 2:4 phase
+    parts = StepParts(model=model, train_module=step_module, optimizer=opt, dist=d, accum=args.accum,
+                      tokens_per_step=args.accum * B * S * d.world_size, lr_at=lambda step: lr,
+                      grad_clip=cfg.optim.grad_clip, sparse_from=0 if cfg.ffn.kind == FFNKind.srelu24 else None,
+                      autocast=autocast_for(t.precision, t.strategy, device))
+    state = TrainState()
     clock, rows = Clock(device), []
 
-    def train_step(step_module=step_module, opt=opt, params=params) -> list[float]:
-        clock.mark()
+    def next_batch():
         tokens = torch.randint(0, vocab, (B, S + 1)).to(device, non_blocking=True)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        clock.mark()
-        with autocast:
-            loss = step_module(x, y)
-        clock.mark()
-        loss.backward()
-        clock.mark()
-        clip_grad_norm(params, cfg.optim.grad_clip or float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        clock.mark()
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def train_step_timed() -> list[float]:
+        clock.start()
+        log = (state.step + 1) % t.log_every == 0  # statistics on the trainer's logged steps
+        train_step(parts, state, next_batch, log=log, mark=clock.mark)
         return clock.phases_ms()
 
     for _ in range(args.warmup):
-        train_step()
+        train_step_timed()
     with ClockSampler(device) if device.type == "cuda" else nullcontext() as clocks:
         for _ in range(args.steps):
-            rows.append(train_step())  # phases_ms synchronises: the samples cover the steps
+            rows.append(train_step_timed())  # phases_ms synchronises: the samples cover the steps
     data, fw, bw, op = (statistics.median(col) for col in zip(*rows))
-    kernels = profile_kernels(train_step, args.profile) if args.profile and device.type == "cuda" else None
+    kernels = profile_kernels(train_step_timed, args.profile) if args.profile and device.type == "cuda" else None
     step = data + fw + bw + op
     size = model_size(model, S)
-    tok_s = d.world_size * B * S / (step / 1e3)
+    tok_s = parts.tokens_per_step / (step / 1e3)
     peak = peak_flops(device)
     result = {"ffn": cfg.ffn.kind.value, "model": model_cfg.name, "n_layers": model_cfg.n_layers,
-              "layers_cut_from": cfg.model.n_layers if args.layers else None, "micro_batch": B, "seq_len": S,
+              "layers_cut_from": cfg.model.n_layers if args.layers else None, "micro_batch": B, "seq_len": S, "accum": args.accum,
               "world_size": d.world_size, "strategy": t.strategy.value,
               "activation_checkpointing": t.activation_checkpointing.value, "compile": t.compile,
               "step_ms": step, "data_ms": data, "forward_ms": fw,
@@ -163,7 +171,8 @@ def bench(cfg, args, d) -> dict:
         result.update(kernels)
     # FSDP2 and compiled modules sit in reference cycles: collect them, or the next variant of a
     # sweep runs (and measures its peak memory) with this one's parameters still allocated
-    del model, step_module, opt, params, train_step
+    del model, step_module, opt, train_step_timed
+    parts = None  # the closure above held it
     gc.collect()
     torch._dynamo.reset()
     if device.type == "cuda":
@@ -180,6 +189,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0, help="cut the layer count (per-layer figures still hold)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per step and rank (gradient accumulation)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda (each rank takes cuda:LOCAL_RANK)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",

@@ -1,12 +1,10 @@
-"""The training loop. One step, top to bottom: sparsity switch -> LR -> micro-batches
-(forward, backward) -> clip -> AdamW -> log / eval / checkpoint."""
+"""The training loop: set up, resume, then per step `training.step.train_step` (the one
+definition of a step) -> log / eval / checkpoint."""
 import json
 import math
 import shutil
 import signal
 import statistics
-import sys
-import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -26,13 +24,13 @@ from model.stats import derive
 from .checkpoint import (check_model_shape, find_resume_checkpoint, load_into, load_rank_state, model_shape,
                          rng_state, save_checkpoint, set_rng_state)
 from .config import Config, Strategy
-from .distributed import (Dist, agree, broadcast_object, build_model, clip_grad_norm, launch_env, local, setup,
-                          shutdown, sum_over_ranks)
+from .distributed import Dist, agree, broadcast_object, build_model, launch_env, local, setup, shutdown
 from .errors import TrainingError
 from .logger import RunLogger, environment
 from .gpu_clocks import ClockSampler
 from .metrics import Throughput
 from .optim import build_optimizer, lr_at
+from .step import StepParts, TrainState, train_step
 from .validate import resolve_vocab_size, total_steps, validate
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -84,23 +82,24 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed, d.rank, d.world_size)
     val_batches = TokenLoader(shard_dir, manifest, "val", t.seq_len, t.micro_batch_size, t.seed).fixed_batches(t.eval_batches)
 
-    start, elapsed0, skipped0 = 0, 0.0, 0
+    state = TrainState(loader=loader)
     resumed = find_resume_checkpoint(t.resume, run_dir)
     if resumed is not None:
-        path, state = resumed
-        check_model_shape(path, state, model)
-        check_same_data(path, state, manifest)
+        path, saved = resumed
+        check_model_shape(path, saved, model)
+        check_same_data(path, saved, manifest)
         load_into(path, model, optimizer)
         mine = load_rank_state(path, d.rank, d.world_size)
         loader.load_state_dict(mine["loader"])
         set_rng_state(mine["rng"])
-        start, elapsed0, skipped0 = state["step"], state.get("elapsed_s", 0.0), state.get("skipped_steps", 0)
-        if state.get("world_size") != d.world_size and d.is_main:
-            print(f"note: {path} was written by {state.get('world_size')} process(es), this run has {d.world_size}: "
+        state.step, state.elapsed_s = saved["step"], saved.get("elapsed_s", 0.0)
+        state.skipped_steps, state.tokens = saved.get("skipped_steps", 0), saved["step"] * tokens_per_step
+        if saved.get("world_size") != d.world_size and d.is_main:
+            print(f"note: {path} was written by {saved.get('world_size')} process(es), this run has {d.world_size}: "
                   "weights and optimizer state are resharded, the data continues at the same sample; the "
                   "result is not bitwise what the original world size would give")
         if d.is_main:
-            print(f"resumed from {path} at step {start}")
+            print(f"resumed from {path} at step {state.step}")
 
     resolved = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
     info = {"vocab_size": vocab_size, "ffn_hidden": ffn_hidden_dim(cfg.model, cfg.ffn), "total_steps": steps,
@@ -114,7 +113,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
             (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
         logger = RunLogger(run_dir, cfg.logging.wandb, name=run_name, group=cfg.name, job_type=cfg.ffn.kind.value,
-                           config={**resolved, "run_info": info}, resumed=start > 0, rank=d.rank)
+                           config={**resolved, "run_info": info}, resumed=state.step > 0, rank=d.rank)
     except Exception as e:  # noqa: BLE001 - shared below, then raised on every rank
         err = f"could not start the run's logs in {run_dir}: {type(e).__name__}: {e}"
     err = broadcast_object(err, d)  # rank 0's (only rank 0 writes or logs)
@@ -123,9 +122,15 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             logger.close()
         raise TrainingError(err)
 
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not fsdp_bf16 else nullcontext())
     is_sparse = cfg.ffn.kind == FFNKind.srelu24
-    params = list(model.parameters())
+    parts = StepParts(model=model, train_module=train_module, optimizer=optimizer, dist=d, accum=accum,
+                      tokens_per_step=tokens_per_step, lr_at=lambda step: lr_at(step, steps, cfg.optim),
+                      grad_clip=cfg.optim.grad_clip, sparse_from=cfg.ffn.dense_warmup_steps if is_sparse else None,
+                      autocast=autocast_for(t.precision, t.strategy, device), nonfinite=t.nonfinite)
+
+    def next_batch():
+        x, y = loader.next_batch()  # this rank's part of the global batch
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     def checkpoint(done: int) -> None:
         bad = [n for n, p in model.named_parameters() if not torch.isfinite(local(p)).all()]
@@ -135,75 +140,42 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
                                 f"the checkpoints in {run_dir / 'checkpoints'} are intact")
         model_sd, optim_sd = get_state_dict(model, optimizer)
         save_checkpoint(run_dir, done, keep_last=t.keep_last, state={
-            "model": model_sd, "optimizer": optim_sd, "rank": {"loader": loader.state_dict(), "rng": rng_state()},
+            "model": model_sd, "optimizer": optim_sd, "rank": {"loader": state.loader.state_dict(), "rng": rng_state()},
             "model_shape": model_shape(model), "config": resolved, "strategy": t.strategy.value,
-            "elapsed_s": meter.elapsed(), "skipped_steps": skipped,
+            "elapsed_s": meter.elapsed(), "skipped_steps": state.skipped_steps,
             "data": {"tokenizer_sha256": manifest.tokenizer_sha256, "vocab_size": manifest.vocab_size}})
 
     def evaluate() -> float:
         model.eval()  # every rank runs the same fixed batches (FSDP needs all ranks in each forward)
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), parts.autocast():
             losses = [model(x.to(device), y.to(device)) for x, y in val_batches]
         model.train()
         return torch.stack(losses).mean().item()
 
     clocks = ClockSampler(device, interval_ms=500).start() if cfg.logging.gpu_clocks and device.type == "cuda" else None
-    meter = Throughput(device, size.flops_per_token, tokens_per_step, d.world_size, elapsed_offset=elapsed0,
+    meter = Throughput(device, size.flops_per_token, tokens_per_step, d.world_size, elapsed_offset=state.elapsed_s,
                        clocks=clocks)
     val_loss = train_loss = float("nan")
-    speeds, last_row, skipped = [], {}, skipped0
+    speeds, last_row = [], {}
     stop = StopSignal()  # SIGTERM / SIGUSR1 / SIGUSR2 (preemption): checkpoint at the next step boundary, exit 0
     try:
-        bar = tqdm(total=steps, initial=start, disable=not (t.progress and d.is_main),
+        bar = tqdm(total=steps, initial=state.step, disable=not (t.progress and d.is_main),
                    desc=f"{cfg.name}/{cfg.ffn.kind.value}", unit="step", dynamic_ncols=True)
-        for step in range(start, steps):
-            done = step + 1
-            sparse_on = is_sparse and step >= cfg.ffn.dense_warmup_steps
-            model.set_sparse24(sparse_on)
+        while state.step < steps:
+            done = state.step + 1
             log_now = done % t.log_every == 0 or done == steps
-            model.collect_ffn_stats(log_now)  # statistics of the logged step only: free on the others
-            lr = lr_at(step, steps, cfg.optim)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(accum):
-                t_data = time.perf_counter()
-                x, y = loader.next_batch()  # this rank's part of the global batch
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                meter.data_time(time.perf_counter() - t_data)
-                with grad_sync(train_module, last=micro == accum - 1):
-                    with autocast:
-                        loss = train_module(x, y)
-                    (loss / accum).backward()  # DDP / FSDP average the gradients over ranks
-                loss_sum += loss.detach()
-            clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-            grad_norm = clip_grad_norm(params, clip)  # global: the same on every rank
-            # one small all-reduce per step: every rank skips (or stops) together. It reads the
-            # gradient norm back: a host sync per step, before the optimizer (its cost on a GPU
-            # step is not measured yet; a device-side skip would remove it)
-            nonfinite, stop_now = agree([not torch.isfinite(grad_norm).item(), stop.requested is not None], d)
-            if not nonfinite:  # a NaN never reaches the weights
-                optimizer.step()
-            elif t.nonfinite == "stop":
-                raise TrainingError(nonfinite_report(step + 1, loss_sum / accum, model))
-            else:
-                skipped += 1
-                if d.is_main:
-                    print(f"step {step + 1}: non-finite gradient, step skipped ({skipped} so far)", file=sys.stderr)
-            optimizer.zero_grad(set_to_none=True)
+            out = train_step(parts, state, next_batch, log=log_now, stop_requested=stop.requested is not None)
+            stop_now = out.stop
+            meter.data_time(out.data_s)
             meter.step()
             bar.update(1)
 
             row = {}
-            if log_now:
-                model.collect_ffn_stats(False)
-                # read back every log_every steps: the loss and statistics of all ranks
-                train_loss = (sum_over_ranks(loss_sum / accum, d) / d.world_size).item()
-                stats = sum_over_ranks(model.pop_ffn_stats(), d)
-                row.update(loss=train_loss, lr=lr, grad_norm=grad_norm.item(), **meter.read(), sparse24=int(sparse_on),
-                           skipped_steps=skipped)
-                row["layers"] = derive(stats.cpu(), is_sparse)
+            if log_now:  # the step read back the loss and statistics of all ranks
+                train_loss = out.loss
+                row.update(loss=train_loss, lr=out.lr, grad_norm=out.grad_norm, **meter.read(),
+                           sparse24=int(out.sparse_on), skipped_steps=state.skipped_steps)
+                row["layers"] = derive(out.stats, is_sparse)
                 row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
                 bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
             if done % t.eval_every == 0 or done == steps:
@@ -211,7 +183,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
                 val_loss = row["val_loss"] = evaluate()
                 meter.resume()
             if row:
-                logger.log({"step": done, "tokens": done * tokens_per_step, **row})
+                logger.log({"step": done, "tokens": state.tokens, **row})
                 if "tokens_per_s" in row:
                     speeds.append(row["tokens_per_s"])
                     last_row = row
@@ -277,20 +249,6 @@ class StopSignal:
             old(signal.Signals[self.requested].value, None)
 
 
-def nonfinite_report(step: int, loss: torch.Tensor, model: torch.nn.Module) -> str:
-    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(local(p.grad)).all()]
-    return (f"step {step}: non-finite gradient (loss {loss.item():.4g}) first in {bad[0] if bad else '?'} "
-            f"({len(bad)} tensor(s)); trainer.nonfinite=stop, nothing was checkpointed after the last good step")
-
-
-def grad_sync(train_module: torch.nn.Module, last: bool):
-    """DDP all-reduces on the last micro-batch only; FSDP reduce-scatters each one (its sharded
-    gradients accumulate, so memory stays sharded)."""
-    if last or not hasattr(train_module, "no_sync"):
-        return nullcontext()
-    return train_module.no_sync()
-
-
 def shared_run_dir(run_dir: Path, d: Dist) -> Path:
     """Rank 0's run directory on every rank: ranks that started in another second got another
     `${now:}` directory from Hydra; it holds only Hydra's files, and is removed."""
@@ -313,6 +271,14 @@ def check_same_data(path: Path, state: dict, manifest) -> None:
 
 def use_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def autocast_for(precision: str, strategy: Strategy, device: torch.device):
+    """bf16 autocast, except under FSDP on a GPU, whose mixed precision keeps bf16 parameters
+    itself (build_model's bf16_params); a factory, since one context object is not re-entrant."""
+    if use_bf16(precision, device) and not (strategy == Strategy.fsdp and device.type == "cuda"):
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext
 
 
 def dry_run(cfg: Config) -> dict:

@@ -1,0 +1,136 @@
+"""One optimizer step, top to bottom: the function the trainer's loop calls and
+scripts/bench_step.py times, so that the benchmark measures what training runs.
+
+    sparsity switch -> LR -> micro-batches (forward, backward, gradient accumulation)
+    -> clip -> non-finite check (every rank agrees) -> AdamW -> statistics (logged steps only)
+"""
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .distributed import Dist, agree, clip_grad_norm, local, sum_over_ranks
+from .errors import TrainingError
+
+
+@dataclass
+class TrainState:
+    """What the loop carries from one step to the next, and a checkpoint keeps: the counters
+    (saved in train_state.json) and this rank's loader (its position: saved per rank)."""
+    step: int = 0             # optimizer steps done
+    tokens: int = 0           # tokens trained on, all ranks together
+    skipped_steps: int = 0    # steps whose gradients were non-finite and were not applied
+    elapsed_s: float = 0.0    # training wall-clock time, carried over resumes
+    loader: Any = field(default=None, repr=False, compare=False)  # the TokenLoader (state_dict / load_state_dict)
+
+    def counters(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "loader"}
+
+
+@dataclass
+class StepParts:
+    """Everything a step needs that does not change from one step to the next."""
+    model: nn.Module          # parameter names never change (checkpoints, statistics)
+    train_module: nn.Module   # what the forward calls: DDP's wrapper, or the model
+    optimizer: torch.optim.Optimizer
+    dist: Dist
+    accum: int                                   # micro-batches per step and rank
+    tokens_per_step: int                         # all ranks
+    lr_at: Callable[[int], float]                # the schedule: step -> LR
+    grad_clip: float = 0.0                       # 0: no clipping (the norm is still computed)
+    sparse_from: Optional[int] = None            # srelu24: first step of the 2:4 phase; None: never
+    autocast: Callable[[], ContextManager] = nullcontext
+    nonfinite: str = "skip"                      # skip the step, or "stop" the run
+    params: list = field(default_factory=list)   # filled from the model when empty
+
+    def __post_init__(self):
+        if not self.params:
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+
+@dataclass
+class StepResult:
+    lr: float
+    sparse_on: bool
+    applied: bool                 # False: non-finite gradients, the optimizer step was skipped
+    stop: bool                    # some rank asked to stop (a signal): checkpoint and leave
+    data_s: float                 # host time spent getting batches
+    loss: Optional[float] = None  # logged steps: mean over micro-batches and ranks
+    grad_norm: Optional[float] = None
+    stats: Optional[Tensor] = None  # logged steps: FFN statistics summed over ranks (model/stats derive)
+
+
+def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
+               log: bool = False, stop_requested: bool = False,
+               mark: Optional[Callable[[str], None]] = None) -> StepResult:
+    """One optimizer step from `state.step`; advances `state`. `next_batch` gives this rank's
+    (x, y) micro-batch on the device. `log`: collect the FFN statistics and read the loss back
+    (the only host syncs besides the non-finite check). `mark(phase)` is called after each
+    phase ("data", "forward", "backward" per micro-batch, "optimizer"), for the benchmark."""
+    mark = mark or (lambda phase: None)
+    model, d, step = p.model, p.dist, state.step
+    sparse_on = p.sparse_from is not None and step >= p.sparse_from
+    model.set_sparse24(sparse_on)
+    model.collect_ffn_stats(log)  # statistics of the logged step only: free on the others
+    lr = p.lr_at(step)
+    for group in p.optimizer.param_groups:
+        group["lr"] = lr
+
+    loss_sum, data_s = torch.zeros((), device=d.device), 0.0
+    for micro in range(p.accum):
+        t0 = time.perf_counter()
+        x, y = next_batch()
+        data_s += time.perf_counter() - t0
+        mark("data")
+        with grad_sync(p.train_module, last=micro == p.accum - 1):
+            with p.autocast():
+                loss = p.train_module(x, y)
+            mark("forward")
+            (loss / p.accum).backward()  # DDP / FSDP average the gradients over ranks
+            mark("backward")
+        loss_sum += loss.detach()
+
+    grad_norm = clip_grad_norm(p.params, p.grad_clip if p.grad_clip > 0 else math.inf)  # global over ranks
+    # one small all-reduce per step, so that every rank skips (or stops) together; it reads the
+    # gradient norm back: a host sync per step, before the optimizer
+    nonfinite, stop = agree([not torch.isfinite(grad_norm).item(), stop_requested], d)
+    if not nonfinite:  # a NaN never reaches the weights
+        p.optimizer.step()
+    elif p.nonfinite == "stop":
+        raise TrainingError(nonfinite_report(step + 1, loss_sum / p.accum, model))
+    else:
+        state.skipped_steps += 1
+        if d.is_main:
+            print(f"step {step + 1}: non-finite gradient, step skipped ({state.skipped_steps} so far)",
+                  file=sys.stderr)
+    p.optimizer.zero_grad(set_to_none=True)
+    mark("optimizer")
+    state.step += 1
+    state.tokens += p.tokens_per_step
+
+    out = StepResult(lr=lr, sparse_on=sparse_on, applied=not nonfinite, stop=stop, data_s=data_s)
+    if log:
+        model.collect_ffn_stats(False)
+        out.loss = (sum_over_ranks(loss_sum / p.accum, d) / d.world_size).item()
+        out.grad_norm = grad_norm.item()
+        out.stats = sum_over_ranks(model.pop_ffn_stats(), d).cpu()
+    return out
+
+
+def grad_sync(train_module: nn.Module, last: bool):
+    """DDP all-reduces on the last micro-batch only; FSDP reduce-scatters each one (its sharded
+    gradients accumulate, so memory stays sharded)."""
+    if last or not hasattr(train_module, "no_sync"):
+        return nullcontext()
+    return train_module.no_sync()
+
+
+def nonfinite_report(step: int, loss: Tensor, model: nn.Module) -> str:
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(local(p.grad)).all()]
+    return (f"step {step}: non-finite gradient (loss {loss.item():.4g}) first in {bad[0] if bad else '?'} "
+            f"({len(bad)} tensor(s)); trainer.nonfinite=stop, nothing was checkpointed after the last good step")
