@@ -1,10 +1,9 @@
-"""The benchmark scripts' helpers that run on CPU: the FFN inputs' pre-activation density and the
-parsing of nvidia-smi's clock samples."""
+"""The benchmark scripts' helpers that run on CPU: the FFN inputs' pre-activation density, the
+kernel categories of the step figure (the clock sampler: tests/test_gpu_clocks.py)."""
 import pytest
 import torch
 
 from scripts.ffn_inputs import ffn_inputs
-from training.gpu_clocks import parse, summarise
 
 
 @pytest.mark.parametrize("density", [0.5, 0.1, 0.02])
@@ -26,20 +25,6 @@ def test_ffn_inputs_default_is_about_half_positive_and_refuses_a_bad_density():
         ffn_inputs(8, 8, 8, density=1.5, device="cpu")
 
 
-def test_clock_samples_parse_and_summarise_to_medians():
-    text = ("1755, 512.30, 61, 0x0000000000000000\n"
-            "1410, 699.10, 63, 0x0000000000000004\n"
-            "1440, 695.00, 62, 0x0000000000000004\n"
-            "14\n"                                  # a partial line as nvidia-smi is killed
-            "[N/A], 600, 60, 0x0\n")                 # a field it could not read
-    rows = parse(text)
-    assert len(rows) == 3
-    s = summarise(rows)
-    assert s == {"samples": 3, "sm_clock_mhz": 1440.0, "power_w": 695.0, "temp_c": 62.0,
-                 "throttle_reasons": ["0x0000000000000000", "0x0000000000000004"]}
-    assert "error" in summarise([]) and summarise([], "nvidia-smi not found") == {"error": "nvidia-smi not found"}
-
-
 def test_profiled_kernels_fall_into_the_step_figures_categories():
     from training.plots import close, kernel_category, step_kernels
 
@@ -57,23 +42,6 @@ def test_profiled_kernels_fall_into_the_step_figures_categories():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["srelu24", "srelu"]
     assert any("1560 MHz" in t.get_text() for t in ax.texts)
     close(fig)
-
-
-def test_clock_sampler_reports_why_it_has_no_samples(monkeypatch, tmp_path):
-    from training.gpu_clocks import ClockSampler, nvidia_smi_id
-
-    assert nvidia_smi_id(None) is None
-    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
-    with ClockSampler() as s:
-        pass
-    assert s.summary()["error"].startswith("could not run nvidia-smi")
-    fake = tmp_path / "nvidia-smi"  # one that rejects the query
-    fake.write_text("#!/bin/sh\necho 'Field \"clocks.sm\" is not a valid field to query.' >&2\nexit 2\n")
-    fake.chmod(0o755)
-    with ClockSampler() as s:
-        s.proc.wait()
-    err = s.summary()["error"]
-    assert "no usable samples" in err and "exit 2" in err and "not a valid field" in err
 
 
 def run_bench_step(*args):
@@ -96,36 +64,6 @@ def test_bench_step_names_a_bad_variant_and_refuses_to_replot_what_it_cannot(tmp
     unprofiled.write_text('{"results": [{"ffn": "srelu"}]}')
     r = run_bench_step("--replot", str(unprofiled))
     assert r.returncode != 0 and "has no kernel profile (run with --profile STEPS)" in r.stderr
-
-
-FAKE_SMI = """#!/bin/sh
-# a stand-in for nvidia-smi -lms: a sample every 20 ms, the clock rising by 1 MHz each time
-i=0
-while true; do echo "$((1400 + i)), 690.5, 60, 0x0000000000000004"; i=$((i + 1)); sleep 0.02; done
-"""
-
-
-def test_clock_sampler_streams_medians_per_interval(monkeypatch, tmp_path):
-    import time
-
-    from training.gpu_clocks import ClockSampler
-
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text(FAKE_SMI)
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    s = ClockSampler(interval_ms=20).start()
-    try:
-        time.sleep(0.4)
-        first = s.take()
-        time.sleep(0.4)
-        second = s.take()
-    finally:
-        s.stop()
-    assert first["samples"] >= 3 and second["samples"] >= 3
-    assert second["sm_clock_mhz"] > first["sm_clock_mhz"] and first["power_w"] == 690.5  # separate intervals
-    assert s.summary()["samples"] >= first["samples"] + second["samples"] and "error" not in s.summary()
-    assert s.thread is None and s.proc.poll() is not None  # stopped: no reader, no process left
 
 
 def test_throughput_logs_the_interval_clock_when_given_a_sampler():

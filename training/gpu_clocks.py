@@ -1,94 +1,43 @@
-"""The GPU's SM clock, power draw and throttle reasons while something runs, from nvidia-smi.
+"""The GPU's SM clock, power draw, energy and throttle reasons while something runs, from NVML
+(nvidia-ml-py): one library call per reading, no subprocess, and the card's own energy counter.
 
-On a power-capped card (the H200 here: 700 W) a GEMM-heavy loop runs at a lower clock than a
-short one, and which variant draws more power changes how fast *everything else* runs
-(benchmarks/RESULTS.md, session 7), so the benchmarks record the clocks beside their times and
-the trainer logs them:
+On a power-capped card (the H200: 700 W) a GEMM-heavy loop runs at a lower clock than a short
+one, and the variant that draws more power lowers the clock of *everything else* in its step
+(benchmarks/RESULTS.md), so the benchmarks record clocks and joules beside their times and the
+trainer logs them:
 
     with ClockSampler(device) as clocks:
         run_steps()             # synchronised before the block ends
-    clocks.summary()            # {"samples": 31, "sm_clock_mhz": 1755.0, "power_w": 512.3, ...}
+    clocks.summary()            # {"samples": 31, "sm_clock_mhz": 1755, "power_w": 512.3, "energy_j": 95.1, ...}
 
     sampler = ClockSampler(device, interval_ms=500).start()   # the trainer: one per run
-    sampler.take()              # medians since the previous take()
+    sampler.take()              # medians (and joules) since the previous take()
     sampler.stop()
+
+    energy_during(fn, seconds=3.0)   # fn back to back: ms and mJ per call, W, MHz
 """
-import subprocess
 import threading
 import time
 
-QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+THROTTLE_POWER_CAP = 0x4  # NVML's clocks-event reason "software power cap"
 
 
-class ClockSampler:
-    """nvidia-smi polling every `interval_ms` on a background reader thread, for this process's
-    GPU (`device`; all GPUs without one). The caller synchronises the GPU before reading, so
-    that the samples cover the work, not just its launch. Without nvidia-smi, or without usable
-    samples, the summaries say why instead of failing the run."""
-
-    def __init__(self, device=None, interval_ms: int = 50):
-        self.interval_ms, self.gpu_id = interval_ms, nvidia_smi_id(device)
-        self.proc, self.thread, self.error = None, None, None
-        self.rows, self.fresh, self.first_line = [], [], None
-        self.lock = threading.Lock()
-
-    def start(self) -> "ClockSampler":
-        cmd = ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"]
-        if self.gpu_id:  # this process's GPU only: on a host of several, the others would mix in
-            cmd.append(f"--id={self.gpu_id}")
-        try:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
-        except OSError as e:
-            self.error = f"could not run nvidia-smi: {e}"
-            return self
-        self.thread = threading.Thread(target=self._read, name="nvidia-smi reader", daemon=True)
-        self.thread.start()
-        return self
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if self.first_line is None:
-                self.first_line = line.strip()
-            row = parse_row(line)
-            if row is not None:
-                with self.lock:
-                    self.rows.append(row)
-                    self.fresh.append(row)
-
-    def stop(self) -> None:
-        if self.proc is None or self.thread is None:
-            return
-        self.proc.terminate()
-        err = self.proc.communicate()[1]  # the reader thread drains stdout
-        self.thread.join()
-        if not self.rows:  # say what nvidia-smi said (a rejected field, [N/A] readings, ...)
-            self.error = (f"no usable samples from `{' '.join(self.proc.args)}` (exit {self.proc.returncode}); "
-                          f"first line {self.first_line!r}; stderr {(err or '').strip()[:200]!r}")
-        self.thread = None
-
-    def __enter__(self) -> "ClockSampler":
-        return self.start()
-
-    def __exit__(self, *exc) -> bool:
-        self.stop()
-        return False
-
-    def take(self) -> dict:
-        """Medians of the samples since the previous take() (or the start)."""
-        with self.lock:
-            rows, self.fresh = self.fresh, []
-        return summarise(rows, self.error)
-
-    def summary(self) -> dict:
-        """Medians of every sample so far."""
-        with self.lock:
-            rows = list(self.rows)
-        return summarise(rows, self.error)
+def load_nvml():
+    """The pynvml module of nvidia-ml-py, initialised; raises RuntimeError saying why not."""
+    try:
+        import pynvml
+    except ImportError as e:
+        raise RuntimeError(f"NVML is not available ({e}): pip install nvidia-ml-py") from e
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - pynvml.NVMLError and its many subclasses
+        raise RuntimeError(f"NVML could not start: {e}") from e
+    return pynvml
 
 
-def nvidia_smi_id(device) -> str | None:
-    """nvidia-smi's id for a torch CUDA device ("GPU-<uuid>": CUDA_VISIBLE_DEVICES renumbers devices,
-    UUIDs do not); None without a device or where torch does not give the UUID (all GPUs sampled)."""
+def nvml_uuid(device) -> str | None:
+    """NVML's UUID ("GPU-<uuid>") of a torch CUDA device: CUDA_VISIBLE_DEVICES renumbers devices,
+    UUIDs do not. None without a device or where torch does not give the UUID."""
     if device is None:
         return None
     import torch
@@ -99,25 +48,100 @@ def nvidia_smi_id(device) -> str | None:
         return None
 
 
-def parse_row(line: str):
-    """One nvidia-smi csv line as (SM MHz, W, deg C, throttle reasons), or None (a partial line,
-    a field it could not read)."""
-    cells = [c.strip() for c in line.split(",")]
-    if len(cells) != 4:
-        return None
-    try:
-        return float(cells[0]), float(cells[1]), float(cells[2]), cells[3]
-    except ValueError:
-        return None
+class ClockSampler:
+    """Reads NVML every `interval_ms` on a background thread for this process's GPU (`device`;
+    GPU 0 without one). The caller synchronises the GPU before reading, so that the samples
+    cover the work, not just its launch. Without NVML, or without samples, the summaries say
+    why instead of failing the run."""
 
+    def __init__(self, device=None, interval_ms: int = 50):
+        self.interval_ms, self.uuid = interval_ms, nvml_uuid(device)
+        self.nvml = self.handle = self.thread = self.error = None
+        self.rows, self.fresh = [], []
+        self.energy0 = self.energy_take = None  # mJ at start / at the last take()
+        self.lock, self.halt = threading.Lock(), threading.Event()
 
-def parse(text: str) -> list:
-    return [r for r in map(parse_row, text.splitlines()) if r is not None]
+    def start(self) -> "ClockSampler":
+        try:
+            self.nvml = load_nvml()
+            self.handle = (self.nvml.nvmlDeviceGetHandleByUUID(self.uuid) if self.uuid
+                           else self.nvml.nvmlDeviceGetHandleByIndex(0))
+            self.energy0 = self.energy_take = self.energy_mj()
+        except Exception as e:  # noqa: BLE001 - said in the summaries
+            self.error = str(e) if isinstance(e, RuntimeError) else f"NVML: {type(e).__name__}: {e}"
+            self.handle = None
+            return self
+        self.halt.clear()
+        self.thread = threading.Thread(target=self._poll, name="NVML sampler", daemon=True)
+        self.thread.start()
+        return self
+
+    def energy_mj(self) -> int | None:
+        """The card's energy counter (mJ since the driver loaded), None where it has none."""
+        try:
+            return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+        except Exception:  # noqa: BLE001 - NVMLError_NotSupported on older cards
+            return None
+
+    def read(self) -> tuple:
+        n, h = self.nvml, self.handle
+        reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
+        return (float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)), n.nvmlDeviceGetPowerUsage(h) / 1e3,
+                float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)), f"0x{reasons(h):016x}")
+
+    def _poll(self) -> None:
+        while not self.halt.is_set():
+            try:
+                row = self.read()
+            except Exception as e:  # noqa: BLE001 - keep what we have, say why it ended
+                self.error = f"NVML read failed: {type(e).__name__}: {e}"
+                return
+            with self.lock:
+                self.rows.append(row)
+                self.fresh.append(row)
+            self.halt.wait(self.interval_ms / 1e3)
+
+    def stop(self) -> None:
+        if self.thread is None:
+            return
+        self.halt.set()
+        self.thread.join()
+        self.thread = None
+        if not self.rows and self.error is None:
+            self.error = "no samples (the block ran shorter than one NVML reading?)"
+
+    def __enter__(self) -> "ClockSampler":
+        return self.start()
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False
+
+    def take(self) -> dict:
+        """Medians of the samples since the previous take() (or the start), and the joules."""
+        with self.lock:
+            rows, self.fresh = self.fresh, []
+        now = self.energy_mj() if self.handle is not None else None
+        out = summarise(rows, self.error)
+        if now is not None and self.energy_take is not None:
+            out["energy_j"] = (now - self.energy_take) / 1e3
+        self.energy_take = now
+        return out
+
+    def summary(self) -> dict:
+        """Medians of every sample so far, and the joules since the start."""
+        with self.lock:
+            rows = list(self.rows)
+        out = summarise(rows, self.error)
+        now = self.energy_mj() if self.handle is not None else None
+        if now is not None and self.energy0 is not None:
+            out["energy_j"] = (now - self.energy0) / 1e3
+        return out
 
 
 def summarise(rows: list, error: str | None = None) -> dict:
     if not rows:
-        return {"error": error or "no samples (the block ran shorter than nvidia-smi's first sample?)"}
+        return {"error": error or "no samples (the block ran shorter than one NVML reading?)"}
 
     def med(i):
         return sorted(r[i] for r in rows)[len(rows) // 2]
@@ -125,13 +149,25 @@ def summarise(rows: list, error: str | None = None) -> dict:
             "throttle_reasons": sorted({r[3] for r in rows})}
 
 
-def clocks_during(fn, seconds: float) -> dict:
-    """The summary while fn runs back to back for `seconds` (then a synchronisation)."""
+def energy_during(fn, seconds: float, device=None) -> dict:
+    """fn back to back for `seconds` (then a synchronisation): the clock summary, the calls, and
+    ms and mJ per call from the energy counter (NVML updates it every ~20-100 ms: loops of a
+    few seconds make that rounding negligible)."""
     import torch
 
-    with ClockSampler(torch.cuda.current_device()) as s:
-        t0 = time.time()
-        while time.time() - t0 < seconds:
-            fn()
+    with ClockSampler(device if device is not None else torch.cuda.current_device(), interval_ms=50) as s:
         torch.cuda.synchronize()
-    return s.summary()
+        e0, t0, calls = s.energy_mj() if s.handle is not None else None, time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            calls += 1
+        torch.cuda.synchronize()
+        wall, e1 = time.perf_counter() - t0, s.energy_mj() if s.handle is not None else None
+    out = {**s.summary(), "calls": calls, "ms_per_call": 1e3 * wall / calls}
+    if e0 is not None and e1 is not None:
+        out["mj_per_call"] = (e1 - e0) / calls
+        out["power_w_from_energy"] = (e1 - e0) / 1e3 / wall
+    return out
+
+
+clocks_during = energy_during  # the benchmarks' name for it

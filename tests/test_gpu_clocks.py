@@ -1,0 +1,113 @@
+"""training/gpu_clocks.py on CPU, against a stand-in NVML module: medians per interval, joules
+from the energy counter, and a clear summary where NVML is missing."""
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+from training import gpu_clocks
+from training.gpu_clocks import ClockSampler, energy_during, summarise
+
+
+class FakeNVML(types.ModuleType):
+    """pynvml's calls that the sampler uses: the clock rises 1 MHz per reading, the energy counter
+    grows by 700 W of wall-clock time."""
+    NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+
+    def __init__(self, fail_init=False):
+        super().__init__("pynvml")
+        self.fail_init, self.reads, self.t0, self.lock = fail_init, 0, time.perf_counter(), threading.Lock()
+        self.handles = []
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        self.handles.append(("index", i))
+        return "h"
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self.handles.append(("uuid", uuid))
+        return "h"
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        with self.lock:
+            self.reads += 1
+            return 1400 + self.reads
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 690500  # mW
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        return 60
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return 0x4
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return int((time.perf_counter() - self.t0) * 700_000)  # mJ
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    fake = FakeNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    return fake
+
+
+def test_sampler_streams_medians_and_joules_per_interval(nvml):
+    s = ClockSampler(interval_ms=20).start()
+    try:
+        time.sleep(0.3)
+        first = s.take()
+        time.sleep(0.3)
+        second = s.take()
+    finally:
+        s.stop()
+    assert first["samples"] >= 3 and second["samples"] >= 3
+    assert second["sm_clock_mhz"] > first["sm_clock_mhz"]  # separate intervals, not one running median
+    assert first["power_w"] == 690.5 and first["throttle_reasons"] == ["0x0000000000000004"]
+    for interval in (first, second):  # 700 W over ~0.3 s each
+        assert interval["energy_j"] == pytest.approx(0.3 * 700, rel=0.3)
+    whole = s.summary()
+    assert whole["samples"] >= first["samples"] + second["samples"] and "error" not in whole
+    assert whole["energy_j"] >= first["energy_j"] + second["energy_j"] - 1
+    assert s.thread is None and nvml.handles == [("index", 0)]  # stopped; no device given: GPU 0
+
+
+def test_sampler_says_why_without_nvml(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    with ClockSampler() as s:
+        pass
+    assert "NVML is not available" in s.summary()["error"] and "nvidia-ml-py" in s.summary()["error"]
+    assert "energy_j" not in s.take()
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(fail_init=True))
+    with ClockSampler() as s:
+        pass
+    assert s.summary()["error"] == "NVML could not start: NVML Shared Library Not Found"
+
+
+def test_sampler_picks_this_processes_gpu_by_uuid(nvml, monkeypatch):
+    monkeypatch.setattr(gpu_clocks, "nvml_uuid", lambda device: "GPU-1234")
+    with ClockSampler("cuda:1", interval_ms=10):
+        time.sleep(0.05)
+    assert nvml.handles == [("uuid", "GPU-1234")]
+
+
+def test_energy_during_counts_calls_and_joules_per_call(nvml, monkeypatch):
+    monkeypatch.setattr("torch.cuda.synchronize", lambda *a: None)
+    monkeypatch.setattr(gpu_clocks, "nvml_uuid", lambda device: None)
+    r = energy_during(lambda: time.sleep(0.01), seconds=0.3, device="cuda:0")
+    assert r["calls"] >= 10 and r["ms_per_call"] == pytest.approx(1e3 * 0.3 / r["calls"], rel=0.2)
+    assert r["mj_per_call"] == pytest.approx(700 * r["ms_per_call"], rel=0.1)  # 700 W x seconds per call
+    assert r["power_w_from_energy"] == pytest.approx(700, rel=0.1)
+
+
+def test_summarise_takes_medians_and_says_why_when_empty():
+    rows = [(1755.0, 512.3, 61.0, "0x0"), (1410.0, 699.1, 63.0, "0x4"), (1440.0, 695.0, 62.0, "0x4")]
+    assert summarise(rows) == {"samples": 3, "sm_clock_mhz": 1440.0, "power_w": 695.0, "temp_c": 62.0,
+                               "throttle_reasons": ["0x0", "0x4"]}
+    assert summarise([], "NVML is not available") == {"error": "NVML is not available"}
