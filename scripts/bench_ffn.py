@@ -24,12 +24,12 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.cslt_layout import decompress  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_bwd, srelu24_ffn_fwd, srelu24_ffn_kernels  # noqa: E402
-from kernels.sparsify24_backward import (a24_usable, backward_operands, backward_operands_from_a24,  # noqa: E402
+from kernels.srelu24_sparsify_backward import (a24_usable, backward_operands, backward_operands_from_a24,  # noqa: E402
                                          cuda_usable, dense_slots, write_dense_columns, write_dense_rows)
-from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
-from kernels.sparsify24 import cuda_usable as sparsify_cuda_usable  # noqa: E402
-from kernels.sparsify24 import padded_rows, srelu_sparsify24, srelu_sparsify24_reference  # noqa: E402
-from model.sparse24 import mask_2to4  # noqa: E402
+from kernels.srelu24_reference import SReLU24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
+from kernels.srelu24_sparsify import cuda_usable as sparsify_cuda_usable  # noqa: E402
+from kernels.srelu24_sparsify import padded_rows, srelu_sparsify_2to4, srelu_sparsify_2to4_reference  # noqa: E402
+from kernels.srelu24_reference import mask_2to4  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs, swiglu_weights  # noqa: E402
 from training.gpu_clocks import clocks_during  # noqa: E402
 from training.logger import environment  # noqa: E402
@@ -49,8 +49,8 @@ def check(M: int, K: int, shift: float) -> dict:
     """Fused kernel == reference bit for bit; our layout decodes _cslt_compress's buffer; the sparse
     product is right."""
     z = torch.randn(M, K, device="cuda", dtype=BF) - shift  # shift: sparser activations, zero groups
-    buf, counts = srelu_sparsify24(z)
-    ref, ref_counts = srelu_sparsify24_reference(z)
+    buf, counts = srelu_sparsify_2to4(z)
+    ref, ref_counts = srelu_sparsify_2to4_reference(z)
     Mp = padded_rows(M)
     a24 = decompress(ref, Mp, K)
     out = {"shape": [M, K], "shift": shift, "kernel_equals_reference": torch.equal(buf.view(torch.int16), ref.view(torch.int16)),
@@ -70,7 +70,7 @@ def check(M: int, K: int, shift: float) -> dict:
     return out
 
 
-RECIPE = Sparse24Recipe()  # the paper's: token permutation, 5% dense features, forward mask re-used
+RECIPE = SReLU24Recipe()  # the paper's: token permutation, 5% dense features, forward mask re-used
 
 
 def check_ffn(T: int, D: int, Fh: int) -> dict:
@@ -124,9 +124,31 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled, density=None, clocks
 
 def breakdown(D: int, Fh: int, T: int, density=None) -> dict:
     """srelu24's fw+bw, piece by piece (each timed alone)."""
+    return {k: bench(fn) for k, fn in srelu24_pieces(D, Fh, T, density).items()}
+
+
+def dense_srelu_pieces(D: int, Fh: int, T: int, density=None) -> dict:
+    """Dense srelu's fw+bw as its GEMMs and elementwise passes: {name: fn} (names as in
+    srelu24_pieces: "(dense)" marks a dense GEMM)."""
     x, dy, w1, w2 = ffn_inputs(D, Fh, T, density=density)
     z = F.linear(x, w1)
-    buf, counts = srelu_sparsify24(z)
+    a, da = F.relu(z).square(), dy @ w2
+    dz = da * 2 * F.relu(z)
+    return {"fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
+            "fw: A = relu(Z)^2 (elementwise)": lambda: F.relu(z).square(),
+            "fw: Y = A W2^T (dense)": lambda: F.linear(a, w2),
+            "bw: dA = dY W2 (dense)": lambda: dy @ w2,
+            "bw: dZ = dA 2 relu(Z) (elementwise)": lambda: da * 2 * F.relu(z),
+            "bw: dX = dZ W1 (dense)": lambda: dz @ w1,
+            "bw: dW2 = dY^T A (dense)": lambda: dy.t() @ a,
+            "bw: dW1 = dZ^T X (dense)": lambda: dz.t() @ x}
+
+
+def srelu24_pieces(D: int, Fh: int, T: int, density=None) -> dict:
+    """srelu24's fw+bw as the FFN runs it, piece by piece: {name: fn}."""
+    x, dy, w1, w2 = ffn_inputs(D, Fh, T, density=density)
+    z = F.linear(x, w1)
+    buf, counts = srelu_sparsify_2to4(z)
     da = dy @ w2
     perm = random_token_order(T, "cuda")
     dense = densest_from_counts(counts, RECIPE.dense_feature_fraction)
@@ -153,7 +175,7 @@ def breakdown(D: int, Fh: int, T: int, density=None) -> dict:
 
     parts = {
         "fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
-        f"fw: fused srelu+2:4+compress ({'CUDA' if sparsify_cuda_usable(z) else 'Triton'})": lambda: srelu_sparsify24(z),
+        f"fw: fused srelu+2:4+compress ({'CUDA' if sparsify_cuda_usable(z) else 'Triton'})": lambda: srelu_sparsify_2to4(z),
         "fw: Y = A24 W2^T (sparse)": lambda: sparse_mm(buf, w2.t()),
         "bw: dA = dY W2 (dense)": lambda: dy @ w2,
         "bw: dZ, S(A24)^T, S(dZ)^T in one fused pass (" + (
@@ -168,7 +190,7 @@ def breakdown(D: int, Fh: int, T: int, density=None) -> dict:
             write_dense_columns(dw2, slots, a_dense), write_dense_rows(dw1, dense, dz_dense)),
         "bw: permutation, its inverse, feature sort": orders,
     }
-    return {k: bench(fn) for k, fn in parts.items()}
+    return parts
 
 
 def backward_kernels(D: int, Fh: int, T: int, density=None) -> dict:
@@ -178,7 +200,7 @@ def backward_kernels(D: int, Fh: int, T: int, density=None) -> dict:
     x, dy, w1, w2 = ffn_inputs(D, Fh, T, density=density)
     z, da = F.linear(x, w1), dy @ w2
     perm = random_token_order(T, "cuda")
-    dense = densest_from_counts(srelu_sparsify24(z)[1], RECIPE.dense_feature_fraction)
+    dense = densest_from_counts(srelu_sparsify_2to4(z)[1], RECIPE.dense_feature_fraction)
     out = {"copy_z_ms": bench(lambda: z.clone()), "triton_ms": bench(lambda: backward_operands(z, da, perm, dense,
                                                                                                 backend="triton"))}
     if cuda_usable(z, da):
@@ -187,7 +209,7 @@ def backward_kernels(D: int, Fh: int, T: int, density=None) -> dict:
             backward_operands(z, da, perm, dense, backend="triton"))
         out["cuda_equals_triton"] = all(torch.equal(a, b) for a, b in zip(got, want))
         out["cuda_ms"] = bench(lambda: backward_operands(z, da, perm, dense, backend="cuda"))
-        a24 = srelu_sparsify24(z)[0]  # the FFN's path: the same pass over the forward's compressed A24
+        a24 = srelu_sparsify_2to4(z)[0]  # the FFN's path: the same pass over the forward's compressed A24
         out["cuda_a24_equals_triton"] = all(torch.equal(a, b) for a, b in zip(
             flat(backward_operands_from_a24(a24, da, perm, dense)), want))
         out["cuda_a24_ms"] = bench(lambda: backward_operands_from_a24(a24, da, perm, dense))
@@ -234,7 +256,7 @@ def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
         sparse = fwbw(lambda x, a, b: srelu24_ffn_kernels(x, a, b, RECIPE), x, [w1, w2], gy)
         if what == "host":
             dense = fwbw(lambda x, a, b: F.linear(F.relu(F.linear(x, a)).square(), b), x, [w1, w2], gy)
-            buf, _ = srelu_sparsify24(F.linear(x, w1).detach())
+            buf, _ = srelu_sparsify_2to4(F.linear(x, w1).detach())
             xd, w1d, w2d = x.detach(), w1.detach(), w2.detach()
             y, saved, counts, _ = srelu24_ffn_fwd(xd, w1d, w2d, False, 0.05, True, True)
             z = F.linear(xd, w1d)
@@ -247,7 +269,7 @@ def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
                         "host_ms_op_fwd": host_ms(lambda: srelu24_ffn_fwd(xd, w1d, w2d, False, 0.05, True, True)),
                         "host_ms_op_bwd": host_ms(lambda: srelu24_ffn_bwd(gy, xd, w1d, w2d, saved, counts, True, 0.05,
                                                                           True)),
-                        "host_ms_sparsify_launch": host_ms(lambda: srelu_sparsify24(z)),
+                        "host_ms_sparsify_launch": host_ms(lambda: srelu_sparsify_2to4(z)),
                         "host_ms_backward_operands_launch": host_ms(lambda: backward_operands(z, da, perm, None)),
                         "host_ms_randperm_sort": host_ms(lambda: (torch.randperm(t, device="cuda"),
                                                                   torch.sort(-counts, stable=True)))})
@@ -265,7 +287,7 @@ def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
 def tune_sparsify(z) -> dict:
     """The fastest launch configuration of the fused Triton kernel for this shape (all are exact)."""
     configs = [{"bands": b, "num_warps": w} for b in (1, 4, 16) for w in (2, 4, 8)]
-    times = [(bench(lambda c=c: srelu_sparsify24(z, **c, backend="triton")), c) for c in configs]
+    times = [(bench(lambda c=c: srelu_sparsify_2to4(z, **c, backend="triton")), c) for c in configs]
     return min(times, key=lambda t: t[0])[1]
 
 
@@ -274,7 +296,7 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled, density=None) -> di
     g1, g3, g2 = swiglu_weights(D, Fh)
     z = F.linear(x, w1)
     best = tune_sparsify(z)
-    buf = srelu_sparsify24(z)[0]
+    buf = srelu_sparsify_2to4(z)[0]
     alg = 0
     try:
         alg = torch._C._cusparselt.mm_search(buf, w2.t(), None, None, None, False)[0]
@@ -299,9 +321,9 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled, density=None) -> di
     r = {"shape": name, "T": T, "D": D, "F": Fh, "density": density, "alg_id": alg, "fw_rel_err_vs_masked_dense": rel_err(y_s, y_d),
          "sparsify_triton_config": best,
          "sparsify_backend": "cuda" if sparsify_cuda_usable(z) else "triton",
-         "copy_ms": bench(lambda: z.clone()), "sparsify_ms": bench(lambda: srelu_sparsify24(z)),
-         "sparsify_triton_ms": bench(lambda: srelu_sparsify24(z, **best, backend="triton")),
-         "sparsify_triton_no_counts_ms": bench(lambda: srelu_sparsify24(z, **{**best, "counts": False}, backend="triton")),
+         "copy_ms": bench(lambda: z.clone()), "sparsify_ms": bench(lambda: srelu_sparsify_2to4(z)),
+         "sparsify_triton_ms": bench(lambda: srelu_sparsify_2to4(z, **best, backend="triton")),
+         "sparsify_triton_no_counts_ms": bench(lambda: srelu_sparsify_2to4(z, **{**best, "counts": False}, backend="triton")),
          "gemm1_ms": bench(lambda: F.linear(x, w1)),
          "sparse_gemm2_ms": bench(lambda: sparse_mm(buf, w2.t())),  # as the FFN runs it (cached plan)
          "dense_gemm2_ms": bench(lambda: F.linear(F.relu(z).square(), w2)),

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from model import FFNKind, Transformer, model_size  # noqa: E402
+from model import FFN_REGISTRY, Transformer, model_size  # noqa: E402
 from training.config import Strategy, register_configs  # noqa: E402
 from training.distributed import build_model, exit_process, setup, shutdown  # noqa: E402
 from training.logger import environment  # noqa: E402
@@ -40,7 +40,7 @@ from training.loop import autocast_for, use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.step import StepParts, TrainState, train_step  # noqa: E402
-from training.gpu_clocks import ClockSampler  # noqa: E402
+from training.gpu_clocks import ClockSampler, energy_during  # noqa: E402
 
 
 def load_config(overrides: list[str]):
@@ -118,6 +118,106 @@ def profile_kernels(train_step, steps: int, top: int = PROFILE_KEPT) -> dict:
             "top_kernels": [[k[:90], round(ms, 3), round(n, 1)] for k, ms, n in rows[:top]]}
 
 
+# The energy accounting's categories; a piece's category from its name (scripts/bench_ffn.py's
+# pieces mark their GEMMs "(dense)" / "(sparse)").
+ENERGY_CATEGORIES = ("dense GEMMs", "sparse GEMMs", "sparsify passes", "gathers and permutations", "attention",
+                     "norms and elementwise", "optimizer")
+
+
+def piece_category(name: str) -> str:
+    if "(sparse)" in name:
+        return "sparse GEMMs"
+    if "(dense)" in name or "GEMMs" in name or "head" in name or "projections" in name:
+        return "dense GEMMs"
+    if "fused" in name:
+        return "sparsify passes"
+    if "SDPA" in name:
+        return "attention"
+    if "optimizer" in name:
+        return "optimizer"
+    if "elementwise" in name or "RMSNorm" in name:
+        return "norms and elementwise"
+    return "gathers and permutations"  # permutations, their inverse, row gathers, dense-feature writes
+
+
+def step_pieces(cfg, model_cfg, opt, params, B: int, S: int, density) -> list[tuple[str, int, object]]:
+    """What one training step runs, as pieces that can run alone: (name, calls per step, fn).
+    The FFN's pieces come from scripts/bench_ffn.py (the same definitions its breakdown times);
+    attention, its projections, the norms, the output head and the optimizer are added here."""
+    import torch.nn.functional as F
+
+    from scripts.bench_ffn import dense_srelu_pieces, srelu24_pieces
+    from model import ffn_hidden_dim
+
+    T, D, L = B * S, model_cfg.dim, model_cfg.n_layers
+    Fh = ffn_hidden_dim(model_cfg, cfg.ffn)
+    if cfg.ffn.kind == "srelu24":
+        ffn = srelu24_pieces(D, Fh, T, density)
+    elif cfg.ffn.kind == "srelu":
+        ffn = dense_srelu_pieces(D, Fh, T, density)
+    else:
+        raise SystemExit(f"error: --energy accounts srelu and srelu24 steps, not ffn={cfg.ffn.kind}")
+    pieces = [(name, L, fn) for name, fn in ffn.items()]
+    bf = torch.bfloat16
+    H, Hkv = model_cfg.n_heads, model_cfg.n_kv_heads or model_cfg.n_heads
+    hd = D // H
+    q = torch.randn(B, H, S, hd, device="cuda", dtype=bf, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, S, hd, device="cuda", dtype=bf, requires_grad=True) for _ in range(2))
+    go = torch.randn(B, H, S, hd, device="cuda", dtype=bf)
+
+    def sdpa():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H).backward(go)
+
+    x = torch.randn(T, D, device="cuda", dtype=bf, requires_grad=True)
+    gx = torch.randn(T, D, device="cuda", dtype=bf)
+    wqkv = torch.randn((H + 2 * Hkv) * hd, D, device="cuda", dtype=bf, requires_grad=True)
+    wo = torch.randn(D, D, device="cuda", dtype=bf, requires_grad=True)
+    gqkv = torch.randn(T, (H + 2 * Hkv) * hd, device="cuda", dtype=bf)
+    norm_w = torch.ones(D, device="cuda", requires_grad=True)
+    vocab = model_cfg.vocab_size or cfg.data.vocab_size
+    w_out = torch.randn(vocab, D, device="cuda", dtype=bf, requires_grad=True)
+    labels = torch.randint(0, vocab, (T,), device="cuda")
+
+    def projections():
+        F.linear(x, wqkv).backward(gqkv)
+        F.linear(x, wo).backward(gx)
+
+    def rmsnorm():
+        F.rms_norm(x, (D,), norm_w, model_cfg.norm_eps).backward(gx)
+
+    def head():
+        F.cross_entropy(F.linear(x, w_out).float(), labels).backward()
+
+    for p in params:  # the optimizer steps on gradients of the model's own shapes
+        p.grad = torch.randn_like(p) * 1e-3
+    pieces += [("attention: SDPA fw+bw", L, sdpa), ("attention projections q, k, v, o fw+bw", L, projections),
+               ("RMSNorm fw+bw", 2 * L, rmsnorm), ("output head + loss fw+bw", 1, head),
+               ("optimizer: fused AdamW step", 1, opt.step)]
+    return pieces
+
+
+def energy_accounting(cfg, model_cfg, opt, params, B: int, S: int, seconds: float, density) -> dict:
+    """Each piece of a step in a sustained loop of `seconds` (training.gpu_clocks.energy_during:
+    NVML's energy counter), scaled by its calls per step: ms and J per step and per category,
+    to set beside the measured step. The loops run each piece at its own clock, so the sum
+    differs from the step; the comparison between variants at the same shapes is the point."""
+    rows = []
+    for name, calls, fn in step_pieces(cfg, model_cfg, opt, params, B, S, density):
+        for _ in range(3):
+            fn()  # warm: plans, workspaces
+        r = energy_during(fn, seconds)
+        rows.append({"piece": name, "category": piece_category(name), "calls_per_step": calls,
+                     "ms_per_call": r["ms_per_call"], "mj_per_call": r.get("mj_per_call"),
+                     "power_w": r.get("power_w"), "sm_clock_mhz": r.get("sm_clock_mhz")})
+        torch.cuda.empty_cache()
+    per_cat = {c: {"ms_per_step": 0.0, "j_per_step": 0.0} for c in ENERGY_CATEGORIES}
+    for r in rows:
+        c = per_cat[r["category"]]
+        c["ms_per_step"] += r["ms_per_call"] * r["calls_per_step"]
+        c["j_per_step"] += (r["mj_per_call"] or float("nan")) * r["calls_per_step"] / 1e3
+    return {"pieces": rows, "categories": per_cat, "seconds_per_piece": seconds, "density": density}
+
+
 def bench(cfg, args, d) -> dict:
     device, t = d.device, cfg.trainer
     model_cfg = replace(cfg.model, n_layers=args.layers) if args.layers else cfg.model
@@ -131,7 +231,7 @@ def bench(cfg, args, d) -> dict:
     # the trainer's step, as the trainer runs it (training/step.py); srelu24 in its 2:4 phase
     parts = StepParts(model=model, train_module=step_module, optimizer=opt, dist=d, accum=args.accum,
                       tokens_per_step=args.accum * B * S * d.world_size, lr_at=lambda step: lr,
-                      grad_clip=cfg.optim.grad_clip, sparse_from=0 if cfg.ffn.kind == FFNKind.srelu24 else None,
+                      grad_clip=cfg.optim.grad_clip, sparse_from=0 if cfg.ffn.kind == "srelu24" else None,
                       autocast=autocast_for(t.precision, t.strategy, device))
     state = TrainState()
     clock, rows = Clock(device), []
@@ -153,11 +253,13 @@ def bench(cfg, args, d) -> dict:
             rows.append(train_step_timed())  # phases_ms synchronises: the samples cover the steps
     data, fw, bw, op = (statistics.median(col) for col in zip(*rows))
     kernels = profile_kernels(train_step_timed, args.profile) if args.profile and device.type == "cuda" else None
+    energy = (energy_accounting(cfg, model_cfg, opt, parts.params, B, S, args.energy, args.density)
+              if args.energy and device.type == "cuda" else None)
     step = data + fw + bw + op
     size = model_size(model, S)
     tok_s = parts.tokens_per_step / (step / 1e3)
     peak = peak_flops(device)
-    result = {"ffn": cfg.ffn.kind.value, "model": model_cfg.name, "n_layers": model_cfg.n_layers,
+    result = {"ffn": cfg.ffn.kind, "model": model_cfg.name, "n_layers": model_cfg.n_layers,
               "layers_cut_from": cfg.model.n_layers if args.layers else None, "micro_batch": B, "seq_len": S, "accum": args.accum,
               "world_size": d.world_size, "strategy": t.strategy.value,
               "activation_checkpointing": t.activation_checkpointing.value, "compile": t.compile,
@@ -167,6 +269,10 @@ def bench(cfg, args, d) -> dict:
               "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
     if clocks is not None:  # a power-capped GPU: which variant lowers the clock for everything
         result["clocks"] = clocks.summary()
+        if "energy_j" in result["clocks"]:
+            result["step_j"] = result["clocks"]["energy_j"] / args.steps
+    if energy is not None:
+        result["energy"] = energy
     if kernels is not None:
         result.update(kernels)
     # FSDP2 and compiled modules sit in reference cycles: collect them, or the next variant of a
@@ -194,6 +300,12 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after timing, profile this many steps: GPU kernel time per step and the top kernels")
+    ap.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
+                    help="energy accounting: after timing, each piece of the step in a sustained loop of SECONDS "
+                         "(NVML energy counter): ms and J per step by category (srelu, srelu24; GPU only)")
+    ap.add_argument("--density", type=float, default=None,
+                    help="--energy: fraction of positive FFN pre-activations in the pieces' inputs (default: "
+                         "random init's 0.5; a trained model's is about 0.1)")
     ap.add_argument("--print-kernels", type=int, default=12, help=f"kernels printed per variant (the JSON keeps {PROFILE_KEPT})")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.json")
     ap.add_argument("--replot", type=Path, metavar="JSON",
@@ -206,14 +318,14 @@ def main() -> int:
     variants = ["swiglu", "srelu", "srelu24"] if args.ffn_sweep else [None]
     if args.ffns:
         variants = args.ffns.split(",")
-        valid = [k.value for k in FFNKind]
+        valid = list(FFN_REGISTRY)
         if bad := [v for v in variants if v not in valid]:
             ap.error(f"--ffns: unknown variant(s) {bad}; valid: {valid}")
     cfgs = []
     for v in variants:
         cfg = load_config(args.override + ([f"ffn={v}"] if v else []))
-        if v and cfg.ffn.kind.value != v:  # an experiment that overrides ffn: force the variant
-            cfg.ffn.kind = FFNKind(v)
+        if v and cfg.ffn.kind != v:  # an experiment that overrides ffn: force the variant
+            cfg.ffn.kind = v
         cfg.trainer.device = args.device
         cfg.trainer.compile = cfg.trainer.compile and not args.no_compile
         cfgs.append(cfg)
@@ -229,6 +341,38 @@ def main() -> int:
     if d.is_main:
         report(args, results, d.device)
     return 0
+
+
+def print_energy(results: list[dict]) -> None:
+    """The energy accounting side by side: per category, ms and J per step of the pieces' loops;
+    then their sums against the measured step (its joules from NVML over the timed steps)."""
+    e0 = results[0]["energy"]
+    print(f"\nenergy accounting (each piece {e0['seconds_per_piece']} s in a sustained loop, x calls per step; "
+          f"FFN input density {e0['density'] or 'of random init'}):")
+    print("| category | " + " | ".join(f"{r['ffn']} ms | {r['ffn']} J" for r in results) + " |")
+    print("|---|" + "---|---|" * len(results))
+    for c in ENERGY_CATEGORIES:
+        cells = [results_cat(r, c) for r in results]
+        if any(ms for ms, _ in cells):
+            print(f"| {c} | " + " | ".join(f"{ms:.2f} | {j:.2f}" for ms, j in cells) + " |")
+    sums = [(sum(v["ms_per_step"] for v in r["energy"]["categories"].values()),
+             sum(v["j_per_step"] for v in r["energy"]["categories"].values())) for r in results]
+    print("| sum of the pieces | " + " | ".join(f"{ms:.1f} | {j:.1f}" for ms, j in sums) + " |")
+    print("| measured step | " + " | ".join(f"{r['step_ms']:.1f} | {r.get('step_j', float('nan')):.1f}"
+                                          for r in results) + " |")
+    print("| step W, SM MHz | " + " | ".join(f"{r.get('clocks', {}).get('power_w', '-')} | "
+                                           f"{r.get('clocks', {}).get('sm_clock_mhz', '-')}" for r in results) + " |")
+    for r in results:
+        print(f"\n{r['ffn']}: pieces (ms and mJ per call, W, SM MHz, calls per step)")
+        for p in r["energy"]["pieces"]:
+            mj = f"{p['mj_per_call']:.1f}" if p["mj_per_call"] is not None else "-"
+            print(f"  {p['ms_per_call']:8.3f} ms {mj:>8} mJ {p['power_w'] or '-':>6} W {p['sm_clock_mhz'] or '-':>6} MHz "
+                  f"x{p['calls_per_step']:<3} {p['category']:<24} {p['piece']}")
+
+
+def results_cat(r: dict, category: str) -> tuple[float, float]:
+    c = r["energy"]["categories"][category]
+    return c["ms_per_step"], c["j_per_step"]
 
 
 def plot_kernels(result: Path) -> Path:
@@ -266,9 +410,11 @@ def report(args, results: list[dict], device: torch.device) -> None:
               f"| {r['optimizer_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r0['tokens_per_s']:.2f}x "
               f"| {mfu} | {mem} |")
     if any(r.get("clocks", {}).get("samples") for r in results):
-        print("\nclocks over the timed steps (nvidia-smi medians): "
-              + "; ".join(f"{r['ffn']} {r['clocks'].get('sm_clock_mhz')} MHz, {r['clocks'].get('power_w')} W"
-                          for r in results if r.get("clocks")))
+        print("\nclocks over the timed steps (NVML medians; joules from its energy counter): "
+              + "; ".join(f"{r['ffn']} {r['clocks'].get('sm_clock_mhz')} MHz, {r['clocks'].get('power_w')} W, "
+                          f"{r.get('step_j', float('nan')):.1f} J/step" for r in results if r.get("clocks")))
+    if any(r.get("energy") for r in results):
+        print_energy([r for r in results if r.get("energy")])
     if any(r.get("top_kernels") for r in results):
         print(f"wrote {plot_kernels(args.out)}")
     for r in results:
