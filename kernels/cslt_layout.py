@@ -1,7 +1,7 @@
-"""The compressed layouts of a 2:4 bf16 matrix on sm90 (cuSPARSELt's and CUTLASS's), in pure PyTorch.
+"""cuSPARSELt's compressed layout of a 2:4 bf16 matrix on sm90, in pure PyTorch.
 
-The reference for the fused sparsify kernel (kernels/sparsify24.py). The layout was worked out
-and verified byte-for-byte against `torch._cslt_compress` (shared/H200_FACTS.md):
+The reference for the fused sparsify kernel (kernels/srelu24_sparsify.py). The layout was worked out
+and verified byte-for-byte against `torch._cslt_compress` (docs/METHOD.md, cuSPARSELt's compressed layout (sm90)):
 
 - values: [M, K/2] row-major, for each group of 4 along K its 2 kept values in position order;
 - metadata, right after, as 16-bit words: a 4-bit nibble per group, p0 | p1 << 2 (p0 < p1 the
@@ -9,13 +9,6 @@ and verified byte-for-byte against `torch._cslt_compress` (shared/H200_FACTS.md)
   consecutive nibbles, tiles along K first, then down 64-row bands.
 
 M must be a multiple of 64 (pad tokens) and K a multiple of 32.
-
-CUTLASS 3.x's sm90 sparse GEMM (kernels/csrc/sp24_gemm_sm90.cu) reads the same values and the same
-nibbles (bits 4j..4j+3 of 16-bit word n // 4 hold nibble n), in another order
-(`Sm90GemmSparseConfig::fill_layoutE`): a 16-bit word holds 16 consecutive columns of one row, and
-its 64-row x (32 * NUM_K)-column atoms go down the rows first, then along K. NUM_K = min(tile K,
-128) / 32 of the GEMM that reads it: the layout names are "cutlass_k64" and "cutlass_k128", and K
-must be a multiple of 64 or 128 for them.
 """
 import torch
 from torch import Tensor
@@ -23,20 +16,10 @@ from torch import Tensor
 ROWS_PER_BAND, COLS_PER_CHUNK = 64, 32
 
 
-LAYOUTS = ("cusparselt", "cutlass_k64", "cutlass_k128")
-
-
-def cols_multiple(layout: str) -> int:
-    """K must be a multiple of this: one metadata atom's columns."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown 2:4 layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-    return COLS_PER_CHUNK if layout == "cusparselt" else int(layout.removeprefix("cutlass_k"))
-
-
-def check_shape(m: int, k: int, layout: str = "cusparselt") -> None:
-    kk = cols_multiple(layout)
-    if m % ROWS_PER_BAND or k % kk:
-        raise ValueError(f"the sm90 2:4 layout {layout} needs rows % 64 == 0 and cols % {kk} == 0, got [{m}, {k}]")
+def check_shape(m: int, k: int) -> None:
+    if m % ROWS_PER_BAND or k % COLS_PER_CHUNK:
+        raise ValueError(f"the sm90 2:4 layout needs rows % {ROWS_PER_BAND} == 0 and cols % {COLS_PER_CHUNK} == 0, "
+                         f"got [{m}, {k}]")
 
 
 def compressed_numel(m: int, k: int) -> int:
@@ -45,19 +28,9 @@ def compressed_numel(m: int, k: int) -> int:
     return m * k // 2 + m * k // 16
 
 
-def nibble_index(r: Tensor, g: Tensor, k: int, layout: str = "cusparselt", m: int = 0) -> Tensor:
-    """Position in the metadata nibble stream of row r, group g (column // 4) of an [m, k]
-    matrix (m only matters to the CUTLASS layouts)."""
+def nibble_index(r: Tensor, g: Tensor, k: int) -> Tensor:
+    """Position in the metadata nibble stream of row r, group g (column // 4) of an [M, k] matrix."""
     rb, rr = r // 64, r % 64
-    if layout != "cusparselt" and m <= 0:
-        raise ValueError(f"nibble_index: the {layout} layout needs the row count m (its K atoms are m rows apart)")
-    if layout != "cusparselt":  # CuTe: ((8,2,4),(16,2,NUM_K)):((32N,16,512N),(1,256N,32)), N = NUM_K
-        atom_k = cols_multiple(layout)
-        num_k, c = atom_k // 32, g * 4
-        ka, cc = c // atom_k, c % atom_k
-        logical = (cc % 16 + 16 * ((rr >> 3) & 1) + 32 * (cc // 32) + 32 * num_k * (rr & 7)
-                   + 256 * num_k * ((cc // 16) % 2) + 512 * num_k * (rr >> 4))
-        return (rb * 2048 * num_k + ka * m * atom_k + logical) // 4
     kc, gg = g // 8, g % 8
     inner = (((rr >> 3) & 1) | (((gg >> 2) & 1) << 1) | ((gg & 1) << 2) | (((gg >> 1) & 1) << 3)
              | ((rr & 7) << 4) | (((rr >> 4) & 3) << 7))
@@ -72,11 +45,11 @@ def kept_positions(keep: Tensor) -> tuple[Tensor, Tensor]:
     return p0, p1
 
 
-def compress(a: Tensor, keep: Tensor, layout: str = "cusparselt") -> Tensor:
+def compress(a: Tensor, keep: Tensor) -> Tensor:
     """The compressed buffer (bf16, compressed_numel elements) of a [M, K] under the 2:4 mask
     `keep` (exactly 2 of every 4 along K)."""
     m, k = a.shape
-    check_shape(m, k, layout)
+    check_shape(m, k)
     g = keep.reshape(m, k // 4, 4)
     p0, p1 = kept_positions(g)
     groups = a.reshape(m, k // 4, 4)
@@ -84,23 +57,23 @@ def compress(a: Tensor, keep: Tensor, layout: str = "cusparselt") -> Tensor:
     rows = torch.arange(m, device=a.device)[:, None].expand(m, k // 4)
     cols = torch.arange(k // 4, device=a.device)[None, :].expand(m, k // 4)
     nibbles = torch.empty(m * k // 4, dtype=torch.int32, device=a.device)
-    nibbles[nibble_index(rows, cols, k, layout, m).reshape(-1)] = (p0 | (p1 << 2)).reshape(-1).to(torch.int32)
+    nibbles[nibble_index(rows, cols, k).reshape(-1)] = (p0 | (p1 << 2)).reshape(-1).to(torch.int32)
     q = nibbles.reshape(-1, 4)
     words = q[:, 0] | (q[:, 1] << 4) | (q[:, 2] << 8) | (q[:, 3] << 12)
     meta = (((words + 32768) % 65536) - 32768).to(torch.int16).view(torch.bfloat16)  # 16-bit words, reinterpreted
     return torch.cat([values.to(torch.bfloat16).reshape(-1), meta]).view(m, -1)  # 2-D, as _cslt_compress
 
 
-def decompress(buf: Tensor, m: int, k: int, layout: str = "cusparselt") -> Tensor:
+def decompress(buf: Tensor, m: int, k: int) -> Tensor:
     """Inverse of compress: the dense [M, K] bf16 matrix (zeros where nothing is kept)."""
-    check_shape(m, k, layout)
+    check_shape(m, k)
     buf = buf.reshape(-1)
     values = buf[: m * k // 2].reshape(m, k // 4, 2)
     words = buf[m * k // 2:].view(torch.int16).to(torch.int32) & 0xFFFF
     nibbles = torch.stack([(words >> (4 * j)) & 0xF for j in range(4)], -1).reshape(-1)
     rows = torch.arange(m, device=buf.device)[:, None].expand(m, k // 4)
     cols = torch.arange(k // 4, device=buf.device)[None, :].expand(m, k // 4)
-    nib = nibbles[nibble_index(rows, cols, k, layout, m)]
+    nib = nibbles[nibble_index(rows, cols, k)]
     out = torch.zeros(m, k // 4, 4, dtype=torch.bfloat16, device=buf.device)
     out.scatter_(-1, (nib & 3)[..., None].long(), values[..., :1])
     out.scatter_(-1, ((nib >> 2) & 3)[..., None].long(), values[..., 1:])
