@@ -1,15 +1,15 @@
 """cuSPARSELt 2:4 GEMMs with cached plans, called through ctypes.
 
 `torch._cslt_sparse_mm` builds every cuSPARSELt descriptor and the matmul plan from scratch on
-each call and destroys them after: on the H200 that costs 0.73-0.84 ms of host time per call
-against 0.03 ms for a dense `F.linear` (benchmarks/RESULTS.md). The srelu24 FFN makes four such
-calls per layer and step, so at 1B shapes the GPU waited on the host. Here the descriptors and
+each call and destroys them after: host time per call that is many times a dense `F.linear`'s
+(the figures are in benchmarks/RESULTS.md). The srelu24 FFN makes four such calls per layer and
+step, so at 1B shapes the GPU waited on the host. Here the descriptors and
 the plan are built once per (shape, layout, algorithm) and kept; a call is one
 `cusparseLtMatmul` on the current stream.
 
 The descriptors are the ones `torch._cslt_sparse_mm` sets up (aten/src/ATen/native/sparse/cuda/
 cuSPARSELtOps.cpp), so the compressed operand is the same buffer: A [m, k] 2:4 row-major
-(compressed, as kernels/sparsify24*.py write it), B [k, n] row-major or the transpose of a
+(compressed, as kernels/srelu24_sparsify*.py write it), B [k, n] row-major or the transpose of a
 row-major [n, k], D [m, n] row-major bf16 (or column-major: torch's `transpose_result`, the product
 returned as its transpose [n, m], which is how the weight gradient dW2 is wanted), fp32 accumulation. The library is the one torch
 loaded. Each new plan's product is checked once against torch's; any failure (library not
@@ -148,7 +148,7 @@ _LOCK = threading.Lock()  # forward (main thread) and backward (autograd's threa
 
 def _warn_fallback(why: str) -> None:
     warnings.warn(f"cuSPARSELt plan cache unavailable ({why}); using torch._cslt_sparse_mm, which re-plans "
-                  "every call (about 0.8 ms of host time each)", RuntimeWarning, stacklevel=3)
+                  "every call (host time per call; benchmarks/RESULTS.md)", RuntimeWarning, stacklevel=3)
 
 
 def _library(device) -> Optional[_Lib]:

@@ -14,14 +14,14 @@ srelu24 only (also during the dense warmup, where they say what 2:4 *would* drop
   DENSE_FEATURE_DENSITY (0.5): above it, 2:4 along tokens must drop values of that feature;
 - split_density: density along tokens of the least dense feature in the weight-gradient
   dense split (the top `dense_feature_fraction`), i.e. the threshold that split applies;
-- sparse24: 1 when the layer runs 2:4, 0 in the dense warmup.
+- mode_2to4: 1 when the layer runs 2:4, 0 in the dense warmup.
 """
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .mask24 import mask_2to4
+from .srelu24_reference import mask_2to4
 
 SWIGLU_ZERO_THRESHOLD = 1e-3
 DENSE_FEATURE_DENSITY = 0.5
@@ -39,7 +39,7 @@ def _dense_sums(a: Tensor, threshold: float) -> Tensor:
                          torch.stack([one * a.numel(), zeros.double(), one]))
 
 
-def _sparse24_sums(a: Tensor, mask: Optional[Tensor], k: int, sparse: bool) -> Tensor:
+def _srelu24_sums(a: Tensor, mask: Optional[Tensor], k: int, sparse: bool) -> Tensor:
     a = a.reshape(-1, a.shape[-1])
     mask = mask_2to4(a) if mask is None else mask.reshape(a.shape)  # None: selected here, in the fused pass
     nz = a != 0
@@ -74,17 +74,17 @@ def dense_activation_sums(a: Tensor, threshold: float = 0.0) -> Tensor:
 
 
 @torch.compiler.disable
-def sparse24_sums(a: Tensor, mask: Optional[Tensor], dense_fraction: float, sparse: bool) -> Tensor:
+def srelu24_sums(a: Tensor, mask: Optional[Tensor], dense_fraction: float, sparse: bool) -> Tensor:
     """Sums for srelu24: a = relu(Z)^2 [..., F] before the 2:4 selection, mask its 2:4 mask
     (None: computed here, inside the fused pass on CUDA)."""
     k = max(1, int(round(dense_fraction * a.shape[-1])))
-    return (_fused(_sparse24_sums) if a.is_cuda else _sparse24_sums)(a, mask, k, sparse)
+    return (_fused(_srelu24_sums) if a.is_cuda else _srelu24_sums)(a, mask, k, sparse)
 
 
 @torch.compiler.disable
-def sparse24_sums_from_counts(kept: Tensor, totals: Tensor, tokens: int, dense_fraction: float) -> Tensor:
-    """The row sparse24_sums(a, None, dense_fraction, sparse=True) gives, built from what the fused
-    sparsify kernel already reduced in its pass (kernels/sparsify24.py): kept non-zeros per
+def srelu24_sums_from_counts(kept: Tensor, totals: Tensor, tokens: int, dense_fraction: float) -> Tensor:
+    """The row srelu24_sums(a, None, dense_fraction, sparse=True) gives, built from what the fused
+    sparsify kernel already reduced in its pass (kernels/srelu24_sparsify.py): kept non-zeros per
     feature [F] and totals [non-zeros, sum a^2, dropped sum a^2]. Small [F]-sized work only."""
     features = kept.shape[0]
     k = max(1, int(round(dense_fraction * features)))
@@ -99,14 +99,14 @@ def sparse24_sums_from_counts(kept: Tensor, totals: Tensor, tokens: int, dense_f
         density.topk(k).values[-1], one, one])
 
 
-def derive(sums: Tensor, sparse24: bool) -> dict[str, list[float]]:
+def derive(sums: Tensor, srelu24: bool) -> dict[str, list[float]]:
     """Per-layer statistics from the summed rows [L, N_SUMS] (on the CPU)."""
     s = sums.double()
     out = {"act_sparsity": s[:, ZEROS] / s[:, ELEMENTS].clamp(min=1)}
-    if sparse24:
+    if srelu24:
         out["drop_nnz"] = s[:, DROPPED_NNZ] / s[:, NNZ].clamp(min=1)
         out["drop_l2"] = (s[:, DROPPED_SQ] / s[:, SQ].clamp(min=1e-30)).sqrt()
         out["dense_features"] = s[:, DENSE_FEATS] / s[:, FEATURES].clamp(min=1)
         out["split_density"] = s[:, SPLIT_DENSITY] / s[:, PASSES].clamp(min=1)
-        out["sparse24"] = (s[:, SPARSE] / s[:, PASSES].clamp(min=1)).round()
+        out["mode_2to4"] = (s[:, SPARSE] / s[:, PASSES].clamp(min=1)).round()
     return {k: v.tolist() for k, v in out.items()}

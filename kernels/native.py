@@ -1,10 +1,9 @@
-"""The shared libraries built from kernels/csrc by make, loaded once through ctypes.
+"""The shared library built from kernels/csrc by make, loaded once through ctypes.
 
-Two of them, both optional (GPU machines with nvcc; the README says how to build them):
-- KERNELS, build/sp24_kernels.so (`make kernels`, kernels/csrc/sp24_sparsify.cu): CUDA C++
-  versions of the forward's and the backward's sparsify kernels, preferred to the Triton ones;
-- build/sp24_cutlass.so (`make cutlass`): the CUTLASS 2:4 GEMMs of kernels/cutlass_sp24.py.
-Without a library its users fall back (Triton kernel) or report it unavailable.
+KERNELS, build/srelu24_kernels.so (`make kernels`, kernels/csrc/srelu24_sparsify.cu; optional, for
+GPU machines with nvcc, the README says how to build it): CUDA C++ versions of the forward's and
+the backward's sparsify kernels, preferred to the Triton ones. Without it they fall back to Triton.
+The environment variable SRELU24_KERNELS_LIB names another path for it.
 """
 import ctypes
 import os
@@ -58,7 +57,7 @@ class NativeLibrary:
             return False
 
 
-KERNELS = NativeLibrary("sp24_kernels.so", "SP24_KERNELS_LIB", "sp24_kernels_abi_version", 3,
+KERNELS = NativeLibrary("srelu24_kernels.so", "SRELU24_KERNELS_LIB", "srelu24_kernels_abi_version", 3,
                         "CUDA sparsify kernels", "make kernels")
 
 

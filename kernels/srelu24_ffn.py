@@ -1,7 +1,7 @@
 """The srelu24 FFN on sparse tensor cores: the fused kernels + cuSPARSELt (plans cached by
 kernels/cusparselt.py; algorithm ids from torch's search).
 
-Same function as model.sparse24.srelu24_ffn (its reference), GEMM by GEMM:
+Same function as kernels.srelu24_reference.srelu24_ffn (its reference), GEMM by GEMM:
 
     forward   Z = X W1^T (dense); A24 = fused srelu + 2:4 + compress; Y = A24 W2^T (sparse);
               compressed A24 kept for the backward (9/16 of Z's bytes; Z where the CUDA kernels
@@ -11,12 +11,12 @@ Same function as model.sparse24.srelu24_ffn (its reference), GEMM by GEMM:
                                          (dense GEMM when reuse_forward_mask is off)
               dW2 = dY^T S(A24)          sparse: S()^T tokens permuted, dense features zeroed
               dW1 = S(dZ)^T X            there and computed by a dense GEMM over those features
-              the three sparse operands from one pass (kernels/sparsify24_backward.py);
+              the three sparse operands from one pass (kernels/srelu24_sparsify_backward.py);
               dW2 comes out of cuSPARSELt as [d, F] (column-major result), dX's rows are
               gathered back to token order
 
-cuSPARSELt was chosen over CUTLASS's sm90 2:4 GEMM by measurement (kernels/cutlass_sp24.py,
-scripts/bench_sp24_gemm.py, benchmarks/RESULTS.md).
+cuSPARSELt was chosen over CUTLASS's sm90 2:4 GEMM by measurement: CUTLASS was not faster at
+these shapes and needed its own metadata layout and build (benchmarks/RESULTS.md).
 
 Inputs in bf16 (the autocast dtype); tokens are padded to 64 for the sparse operands.
 """
@@ -24,13 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.sparse24 import Sparse24Recipe, densest_from_counts, random_token_order
-from model.stats import N_SUMS, sparse24_sums_from_counts
-
 from .cusparselt import cached_mm, torch_mm
-from .sparsify24 import padded_rows, srelu_sparsify24
-from .sparsify24_backward import (a24_usable, backward_operands, backward_operands_from_a24, dense_slots, padded_tokens,
-                                  write_dense_columns, write_dense_rows)
+from .ffn_stats import N_SUMS, srelu24_sums_from_counts
+from .srelu24_reference import SReLU24Recipe, densest_from_counts, random_token_order
+from .srelu24_sparsify import padded_rows, srelu_sparsify_2to4
+from .srelu24_sparsify_backward import (a24_usable, backward_operands, backward_operands_from_a24, dense_slots,
+                                        padded_tokens, write_dense_columns, write_dense_rows)
 
 
 def available(x: Tensor) -> bool:
@@ -63,7 +62,7 @@ def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
         except (AttributeError, RuntimeError, TypeError):
             pass  # no search in this build (or the CPU stand-in in tests): the default algorithm
     alg = _ALG[key]
-    if a.is_cuda:  # plans cached: torch's op re-plans every call (~0.8 ms of host time)
+    if a.is_cuda:  # plans cached: torch's op re-plans every call (host time; kernels/cusparselt.py)
         return cached_mm(a, b, alg, transpose_result)
     return torch_mm(a, b, alg, transpose_result)
 
@@ -71,7 +70,7 @@ def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
 def _check_bf16(op: str, **tensors: Tensor) -> None:
     bad = [f"{k} {t.dtype}" for k, t in tensors.items() if t.dtype != torch.bfloat16]
     if bad:
-        raise ValueError(f"sparse24::{op} needs bf16 inputs (srelu24_ffn_kernels casts them), got {', '.join(bad)}")
+        raise ValueError(f"srelu24::{op} needs bf16 inputs (srelu24_ffn_kernels casts them), got {', '.join(bad)}")
 
 
 # The FFN as two torch.library custom ops (forward, backward) tied by register_autograd:
@@ -79,7 +78,7 @@ def _check_bf16(op: str, **tensors: Tensor) -> None:
 # fake (meta) versions below; FSDP2 hands them plain, all-gathered weights. Inputs are bf16
 # (srelu24_ffn_kernels casts); the recipe travels as plain bool/float arguments.
 
-@torch.library.custom_op("sparse24::srelu24_ffn_fwd", mutates_args=())
+@torch.library.custom_op("srelu24::srelu24_ffn_fwd", mutates_args=())
 def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dense_feature_fraction: float,
                     token_permutation: bool, reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d], what the backward reads (`keeps_a24`: compressed A24 [padded_rows(T), 9F/16],
@@ -91,10 +90,10 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
     z = x @ w1.t()
     # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
     totals = torch.zeros(3, dtype=torch.float64, device=z.device) if collect_stats else None
-    buf, counts = srelu_sparsify24(z, totals=totals)
+    buf, counts = srelu_sparsify_2to4(z, totals=totals)
     y = sparse_mm(buf, w2.t())[:T]
     # the row only on logged steps; otherwise an empty tensor (no launch on the hot path)
-    row = (sparse24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
+    row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))
     return y, buf if keeps_a24(x, w1, reuse_forward_mask) else z, counts, row
 
@@ -116,7 +115,7 @@ def keeps_a24(x: Tensor, w1: Tensor, reuse_forward_mask: bool) -> bool:
     return a24_usable(x.device, w1.shape[0], reuse_forward_mask)
 
 
-@torch.library.custom_op("sparse24::srelu24_ffn_bwd", mutates_args=())
+@torch.library.custom_op("srelu24::srelu24_ffn_bwd", mutates_args=())
 def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
                     token_permutation: bool, dense_feature_fraction: float,
                     reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -166,7 +165,7 @@ def _setup_context(ctx, inputs, output):
     _, saved, counts, _ = output
     ctx.save_for_backward(x, w1, w2, saved, counts)
     # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
-    # for them before the backward, a 0.16 ms memset of [T, F] at 7B T=16384 (benchmarks/RESULTS.md)
+    # for them before the backward, a memset of [T, F] per layer that buys nothing (benchmarks/RESULTS.md)
     ctx.set_materialize_grads(False)
 
 
@@ -182,7 +181,7 @@ def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts and the
 srelu24_ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe, stats=None) -> Tensor:
+def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe, stats=None) -> Tensor:
     """The srelu24 FFN on x [..., d]; adds this call's statistics row to `stats` when given."""
     shape = x.shape
     dt = torch.bfloat16  # casts outside the ops: autograd returns fp32 gradients to fp32 weights

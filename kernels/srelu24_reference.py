@@ -1,7 +1,7 @@
 """2:4 activation sparsity for the Squared-ReLU FFN: the pure-PyTorch reference.
 
 This is the definition the GPU kernels are tested against, and the path that runs on
-CPU and on GPUs without the kernels. Notation (shared/PAPER_NOTES.md), T tokens, F features:
+CPU and on GPUs without the kernels. Notation (docs/METHOD.md, 2:4 activation sparsity), T tokens, F features:
 
     Z = X W1^T            dense
     A = relu(Z)^2
@@ -15,6 +15,9 @@ CPU and on GPUs without the kernels. Notation (shared/PAPER_NOTES.md), T tokens,
 
 S() re-sparsifies 2:4 along TOKENS, per feature, after a random token permutation,
 except for the densest `dense_feature_fraction` of features, which stay dense.
+
+`mask_2to4` is the 2:4 selection: the one definition every path (this reference, the
+statistics in kernels/ffn_stats.py, the kernels' tests) uses.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -23,8 +26,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .mask24 import mask_2to4
-from .stats import sparse24_sums
+
+def mask_2to4(x: Tensor, dim: int = -1) -> Tensor:
+    """Boolean mask keeping the 2 largest-magnitude values of every 4 consecutive ones
+    along `dim`. Ties go to the lower index, so the mask is deterministic."""
+    x = x.movedim(dim, -1)
+    if x.shape[-1] % 4:
+        raise ValueError(f"2:4 sparsity needs the size along dim {dim} to be a multiple of 4, got {x.shape[-1]}")
+    a0, a1, a2, a3 = x.abs().reshape(*x.shape[:-1], -1, 4).unbind(-1)
+    # b_ij (i < j): j beats i, i.e. is strictly larger; on a tie the lower index i wins
+    b01, b02, b03, b12, b13, b23 = a1 > a0, a2 > a0, a3 > a0, a2 > a1, a3 > a1, a3 > a2
+    # a value is kept when fewer than 2 of the other three beat it
+    r0 = b01.int() + b02 + b03
+    r1 = (~b01).int() + b12 + b13
+    r2 = (~b02).int() + ~b12 + b23
+    r3 = (~b03).int() + ~b13 + ~b23
+    keep = torch.stack([r0 < 2, r1 < 2, r2 < 2, r3 < 2], dim=-1)
+    return keep.reshape(x.shape).movedim(-1, dim)
 
 
 def sparsify_tokens_2to4(t: Tensor, dense_features: Optional[Tensor]) -> Tensor:
@@ -58,16 +76,17 @@ def densest_from_counts(counts: Tensor, fraction: float) -> Optional[Tensor]:
 
 def random_token_order(T: int, device) -> Tensor:
     """The random token order of the weight gradients' 2:4 along tokens (one per backward), int32.
-    Drawn on the host (CPU generator) and copied: on the GPU, randperm is a 64-bit-key radix sort,
-    about a dozen launches and 0.08 ms per layer at 7B (benchmarks/RESULTS.md), against one 64 KiB
-    copy from pinned memory that the host, running ahead of the GPU, prepares for free."""
+    Drawn on the host (CPU generator) and copied: on the GPU, randperm is a 64-bit-key radix sort
+    of about a dozen launches per layer, while the host, running ahead of the GPU, prepares the
+    one small copy from pinned memory off the critical path (the measured cost of each is in
+    benchmarks/RESULTS.md)."""
     dev = torch.device(device)
     perm = torch.randperm(T, dtype=torch.int32, pin_memory=dev.type == "cuda")
     return perm.to(dev, non_blocking=True)
 
 
 @dataclass(frozen=True)
-class Sparse24Recipe:
+class SReLU24Recipe:
     token_permutation: bool = True
     dense_feature_fraction: float = 0.05
     reuse_forward_mask: bool = True
@@ -75,12 +94,14 @@ class Sparse24Recipe:
 
 class _SReLU24(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe, stats: Optional[Tensor]):
+    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe, stats: Optional[Tensor]):
         z = x @ w1.t()
         a = F.relu(z).square()
         mask = mask_2to4(a)
         if stats is not None:
-            stats += sparse24_sums(a, mask, recipe.dense_feature_fraction, sparse=True)
+            from .ffn_stats import srelu24_sums  # here: ffn_stats imports mask_2to4 from this module
+
+            stats += srelu24_sums(a, mask, recipe.dense_feature_fraction, sparse=True)
         y = (a * mask) @ w2.t()
         ctx.save_for_backward(x, w1, w2, z, mask)
         ctx.recipe = recipe
@@ -89,7 +110,7 @@ class _SReLU24(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, w1, w2, z, mask = ctx.saved_tensors
-        r: Sparse24Recipe = ctx.recipe
+        r: SReLU24Recipe = ctx.recipe
         dy = dy.to(z.dtype)
         relu_z = F.relu(z)
         a24 = relu_z.square() * mask
@@ -111,10 +132,10 @@ class _SReLU24(torch.autograd.Function):
 # The reference runs eagerly inside a compiled model: inductor cannot compile it (its pattern
 # matcher failed on it, torch 2.11), and the fused kernels replace it where speed matters.
 @torch.compiler.disable
-def srelu24_ffn(x: Tensor, w1: Tensor, w2: Tensor, recipe: Sparse24Recipe,
+def srelu24_ffn(x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe,
                 stats: Optional[Tensor] = None) -> Tensor:
-    """Y = (mask24 * relu(X W1^T)^2) W2^T with the 2:4 backward of the recipe.
-    x: [..., d], w1: [F, d], w2: [d, F]. `stats`, if given, is a sums buffer (model/stats.py)
+    """Y = (mask_2to4 * relu(X W1^T)^2) W2^T with the 2:4 backward of the recipe.
+    x: [..., d], w1: [F, d], w2: [d, F]. `stats`, if given, is a sums buffer (kernels/ffn_stats.py)
     that the forward adds to."""
     shape = x.shape
     y = _SReLU24.apply(x.reshape(-1, shape[-1]), w1, w2, recipe, stats)

@@ -2,9 +2,9 @@
 directly in cuSPARSELt's sm90 compressed layout (the operand of `torch._cslt_sparse_mm`),
 plus the per-feature count of kept non-zeros (for the dense-feature split).
 
-Reference: `srelu_sparsify24_reference` (PyTorch: model.sparse24.mask_2to4 +
+Reference: `srelu_sparsify_2to4_reference` (PyTorch: kernels.srelu24_reference.mask_2to4 +
 kernels.cslt_layout.compress). The Triton kernel must match it bit for bit, and so must the
-CUDA C++ version (kernels/csrc/sp24_sparsify.cu, `make kernels`), which runs instead where it
+CUDA C++ version (kernels/csrc/srelu24_sparsify.cu, `make kernels`), which runs instead where it
 is built, except on logged steps (the statistics totals are the Triton kernel's).
 
 A 64x32 tile's 512 metadata nibbles are 128 consecutive 16-bit words: word 4p + m (p = 8c + a
@@ -21,17 +21,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.sparse24 import mask_2to4
-
 from .cslt_layout import compress, compressed_numel
 from .native import kernels_usable, launch, use_cuda
+from .srelu24_reference import mask_2to4
 
 
 def padded_rows(m: int) -> int:
     return (m + 63) // 64 * 64
 
 
-def srelu_sparsify24_reference(z: Tensor) -> tuple[Tensor, Tensor]:
+def srelu_sparsify_2to4_reference(z: Tensor) -> tuple[Tensor, Tensor]:
     """(compressed A24 of z's rows padded to 64 with zeros, kept non-zeros per column int32)."""
     a = F.relu(z).square()
     keep = mask_2to4(a)
@@ -64,7 +63,7 @@ def round_to_bf16(x):
 def top2_of_4(v0, v1, v2, v3):
     """2:4 selection of groups given as 4 same-shaped tensors (one per position): keep masks,
     kept positions p0 < p1, and kept values x0, x1. The 2 largest magnitudes win; ties go to
-    the lower position (as model.sparse24.mask_2to4)."""
+    the lower position (as kernels.srelu24_reference.mask_2to4)."""
     a0, a1, a2, a3 = tl.abs(v0), tl.abs(v1), tl.abs(v2), tl.abs(v3)
     # b_ij: j strictly beats i (i < j)
     b01, b02, b03 = (a1 > a0).to(tl.int32), (a2 > a0).to(tl.int32), (a3 > a0).to(tl.int32)
@@ -81,12 +80,12 @@ def top2_of_4(v0, v1, v2, v3):
 
 
 @triton.jit
-def _srelu_sparsify24_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, totals_ptr, M, K, stride_zm,
+def _srelu_sparsify_2to4_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, totals_ptr, M, K, stride_zm,
                              BANDS: tl.constexpr, COUNTS: tl.constexpr, TOTALS: tl.constexpr):
     """Program (chunk, band group): one 32-column chunk of BANDS 64-row bands. Per band, two
     [32 rows, 32 cols] loads (rows 16c + 8b + a for b = 0, 1), viewed as [32, h, m, 4].
     TOTALS (logged steps): also add [non-zeros, sum a^2, dropped sum a^2] of the activation
-    a = relu(Z)^2 to totals_ptr (for model/stats.py)."""
+    a = relu(Z)^2 to totals_ptr (for kernels/ffn_stats.py)."""
     kc = tl.program_id(0)
     p = tl.arange(0, 32)                        # row pair p = 8c + a
     m = tl.arange(0, 4)
@@ -146,30 +145,30 @@ _CUDA_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64, ctype
 
 
 def cuda_usable(z: Tensor, counts: bool = True, totals: Optional[Tensor] = None) -> bool:
-    """The CUDA kernel (kernels/csrc/sp24_sparsify.cu, `make kernels`) can run this call: built, an
+    """The CUDA kernel (kernels/csrc/srelu24_sparsify.cu, `make kernels`) can run this call: built, an
     sm80/sm90 GPU, 16-byte aligned rows, features a multiple of 64, with the counts and without
     the statistics totals (logged steps run the Triton kernel)."""
     return counts and totals is None and z.shape[1] % 64 == 0 and kernels_usable(z)
 
 
-def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: int = 4,
+def srelu_sparsify_2to4(z: Tensor, bands: int = 8, counts: bool = True, num_warps: int = 4,
                      totals: Optional[Tensor] = None, backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """Fused kernel version of srelu_sparsify24_reference (z: [M, K] bf16, K % 32 == 0).
+    """Fused kernel version of srelu_sparsify_2to4_reference (z: [M, K] bf16, K % 32 == 0).
     With `totals` (float64 [3]): adds [non-zeros, sum a^2, dropped sum a^2] of a = relu(Z)^2,
     see activation_totals_reference. backend: "cuda", "triton", or "auto": cuda where
     `cuda_usable`, else triton (bands and num_warps are the Triton launch's)."""
     M, K = z.shape
     if K % 32:
-        raise ValueError(f"srelu_sparsify24 needs the feature count to be a multiple of 32, got {K}")
+        raise ValueError(f"srelu_sparsify_2to4 needs the feature count to be a multiple of 32, got {K}")
     if z.dtype != torch.bfloat16 or z.stride(1) != 1:
-        raise ValueError("srelu_sparsify24 needs a row-major bf16 input")
+        raise ValueError("srelu_sparsify_2to4 needs a row-major bf16 input")
     if padded_rows(M) * max(K, z.stride(0)) >= 2**31:
-        raise ValueError(f"srelu_sparsify24 indexes with int32: [{M}, {K}] is too large")
+        raise ValueError(f"srelu_sparsify_2to4 indexes with int32: [{M}, {K}] is too large")
     if totals is not None and not counts:
-        raise ValueError("srelu_sparsify24: totals need the counts (counts=True): the statistics use both")
+        raise ValueError("srelu_sparsify_2to4: totals need the counts (counts=True): the statistics use both")
     if totals is not None and (totals.shape != (3,) or totals.dtype != torch.float64):
-        raise ValueError("srelu_sparsify24: totals must be a float64 [3] tensor")
-    cuda = use_cuda(backend, lambda: cuda_usable(z, counts, totals), "srelu_sparsify24",
+        raise ValueError("srelu_sparsify_2to4: totals must be a float64 [3] tensor")
+    cuda = use_cuda(backend, lambda: cuda_usable(z, counts, totals), "srelu_sparsify_2to4",
                     "16-byte aligned rows, K % 64 == 0, counts=True and no totals")
     Mp = padded_rows(M)
     buf = torch.empty(compressed_numel(Mp, K), dtype=torch.bfloat16, device=z.device)
@@ -178,12 +177,12 @@ def srelu_sparsify24(z: Tensor, bands: int = 8, counts: bool = True, num_warps: 
     if cuda:
         # 64-row bands per block: as many as keep >= 4096 blocks (the counts' atomics amortised)
         per_block = next((b for b in (8, 4, 2) if -(-n_bands // b) * (K // 64) >= 4096), 1)
-        launch("sp24_srelu_sparsify", _CUDA_ARGS, z.data_ptr(), buf.data_ptr(), buf.data_ptr() + Mp * K, nnz.data_ptr(),
+        launch("srelu24_sparsify", _CUDA_ARGS, z.data_ptr(), buf.data_ptr(), buf.data_ptr() + Mp * K, nnz.data_ptr(),
                M, Mp, K, z.stride(0), per_block, device=z.device)
         return buf.view(Mp, -1), nnz
     bands = next(b for b in (bands, 8, 4, 2, 1) if n_bands % b == 0)
     grid = (K // 32, n_bands // bands)
-    _srelu_sparsify24_kernel[grid](z, buf, buf[Mp * K // 2:].view(torch.int16), nnz,
+    _srelu_sparsify_2to4_kernel[grid](z, buf, buf[Mp * K // 2:].view(torch.int16), nnz,
                                    totals if totals is not None else nnz, M, K, z.stride(0), BANDS=bands,
                                    COUNTS=counts, TOTALS=totals is not None, num_warps=num_warps)
     return buf.view(Mp, -1), nnz  # 2-D, as torch._cslt_sparse_mm wants its compressed operand

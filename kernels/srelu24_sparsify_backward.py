@@ -7,8 +7,8 @@ With the forward mask re-used, the backward needs (tokens permuted by `perm`):
     S(A24)^T, S(dZ)^T  2:4 along tokens, transposed (dW2 = dY^T S(A24), dW1 = S(dZ)^T X), the
          dense features zeroed there and their exact values written to [k, Tp] buffers
 
-Three separate kernels (this project's previous version) read Z three times and dA twice:
-2.17 ms at 7B, T=16384 on the H200, against 1.35 ms for this one pass. Here one program reads
+Three separate kernels (this project's previous version) read Z three times and dA twice, and
+were measurably slower than this one pass (benchmarks/RESULTS.md). Here one program reads
 a [32 tokens, 64 features] tile of Z and dA (gathered rows, 128-byte contiguous), recomputes
 the forward mask along features, writes the dZ operand from the tile
 as it is, transposes the tile in registers and writes both token-dimension operands.
@@ -16,10 +16,10 @@ Reference: `backward_operands_reference`, which the kernel must match bit for bi
 inputs (NaN or Inf in dA, NaN in Z, and the sign of zeros made from a -0.0 in Z may differ: the
 kernel takes max(z, 0) where torch's relu can keep -0.0).
 
-A CUDA C++ version of the same pass (kernels/csrc/sp24_sparsify.cu, `make kernels`) is used
+A CUDA C++ version of the same pass (kernels/csrc/srelu24_sparsify.cu, `make kernels`) is used
 instead when it is built, in a variant that reads the forward's compressed A24 in place of Z
-(`backward_operands_from_a24`: the FFN then keeps 9/16 of Z's bytes for its backward): this Triton kernel is instruction-bound, because both 2:4 metadata
-layouts pack nibbles of rows 8 apart into one word, which costs Triton cross-thread reductions
+(`backward_operands_from_a24`: the FFN then keeps 9/16 of Z's bytes for its backward): this Triton kernel is instruction-bound, because cuSPARSELt's 2:4 metadata
+layout packs nibbles of rows 8 apart into one word, which costs Triton cross-thread reductions
 and layout conversions; the CUDA kernel moves the tile once through shared memory. Both must
 equal the reference bit for bit.
 """
@@ -32,11 +32,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.sparse24 import mask_2to4
-
 from .cslt_layout import compress, compressed_numel
 from .native import KERNELS, kernels_usable, launch, use_cuda
-from .sparsify24 import padded_rows, round_to_bf16, top2_of_4
+from .srelu24_reference import mask_2to4
+from .srelu24_sparsify import padded_rows, round_to_bf16, top2_of_4
 
 
 def padded_tokens(t: int) -> int:
@@ -90,7 +89,7 @@ def dense_slots(dense: Optional[Tensor], Fh: int, device) -> tuple[Tensor, int]:
     return slots, k
 
 
-def dz_sparsify24_reference(z: Tensor, da: Tensor) -> Tensor:
+def dz_sparsify_2to4_reference(z: Tensor, da: Tensor) -> Tensor:
     """Compressed dZ = dA * 2 relu(Z), at the positions the forward 2:4 kept (rows padded to 64)."""
     a = F.relu(z).square()
     keep = mask_2to4(a)
@@ -108,7 +107,7 @@ def backward_operands_reference(z: Tensor, da: Tensor, perm: Optional[Tensor], d
     reuse_forward_mask: dZ is not 2:4 then), (S(A24)^T, A24^T of the dense features),
     (S(dZ)^T, dZ^T of the dense features))."""
     zp, dap = (z[perm], da[perm]) if perm is not None else (z, da)
-    return (dz_sparsify24_reference(zp, dap) if reuse_forward_mask else None,
+    return (dz_sparsify_2to4_reference(zp, dap) if reuse_forward_mask else None,
             sparsify_tokens_reference(a24_reference(z), perm, dense),
             sparsify_tokens_reference(dz_reference(da, z, reuse_forward_mask), perm, dense))
 
@@ -266,7 +265,7 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     """Fused backward_operands_reference. z, da: [T, F] row-major bf16, F % 64 == 0; perm: [T]
     token order (None: identity); dense: feature indices kept dense (None: none); slots:
     dense_slots(dense, F) where the caller has them already.
-    backend: "cuda" (kernels/csrc/sp24_sparsify.cu), "triton", or "auto": cuda where
+    backend: "cuda" (kernels/csrc/srelu24_sparsify.cu), "triton", or "auto": cuda where
     `cuda_usable`, else triton. bands, num_warps: the Triton launch; the defaults were the fastest
     of bands 1-8 x warps 4-16 on the H200 at 1B and 7B (benchmarks/RESULTS.md)."""
     T, Fh = z.shape
@@ -282,7 +281,7 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     dz_meta = _meta(dz_buf, Tr, Fh) if reuse_forward_mask else dz_buf.view(torch.int16)  # a stub without it
     (a_buf, a_full), (g_buf, g_full) = outs
     if cuda:
-        launch("sp24_backward_operands", _CUDA_ARGS, *(t.data_ptr() for t in (
+        launch("srelu24_backward_operands", _CUDA_ARGS, *(t.data_ptr() for t in (
             z, da, order, slots, dz_buf, dz_meta, a_buf, _meta(a_buf, Fh, Tp), a_full, g_buf, _meta(g_buf, Fh, Tp),
             g_full)), T, Tp, Tr, Fh, z.stride(0), da.stride(0), device=z.device)
     else:
@@ -306,7 +305,7 @@ def a24_usable(device, Fh: int, reuse_forward_mask: bool = True) -> bool:
 
 def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
                                slots: Optional[Tensor] = None):
-    """backward_operands, reading the forward's compressed A24 (srelu_sparsify24's buffer for the
+    """backward_operands, reading the forward's compressed A24 (srelu_sparsify_2to4's buffer for the
     same T tokens, [padded_rows(T), 9F/16]) instead of Z: the FFN then keeps A24 (9/16 of Z's
     bytes) for its backward, and the pass reads about 190 MiB less at 7B, T=16384. The CUDA
     kernel only (`a24_usable`); the forward mask re-used. Equal to backward_operands(z, ...) bit for
@@ -316,7 +315,7 @@ def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], 
     T, Fh = da.shape
     Tr, Tp = padded_rows(T), padded_tokens(T)
     if tuple(a24.shape) != (Tr, Fh * 9 // 16) or a24.dtype != torch.bfloat16 or not a24.is_contiguous():
-        raise ValueError(f"backward_operands_from_a24 needs A24 as srelu_sparsify24 writes it for dA's {T} tokens: "
+        raise ValueError(f"backward_operands_from_a24 needs A24 as srelu_sparsify_2to4 writes it for dA's {T} tokens: "
                          f"bf16 [{Tr}, {Fh * 9 // 16}], contiguous; got {a24.dtype} {tuple(a24.shape)}")
     check_tokens_input(da, None)
     if Tr * max(Fh, da.stride(0)) >= 2**31:
@@ -329,7 +328,7 @@ def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], 
     slots, k = _checked_slots(slots, dense, Fh, da.device)
     dz_buf, outs = _outputs(Tr, Tp, Fh, k, True, da.device)
     (a_buf, a_full), (g_buf, g_full) = outs
-    launch("sp24_backward_operands_a24", _CUDA_A24_ARGS, *(t.data_ptr() for t in (
+    launch("srelu24_backward_operands_a24", _CUDA_A24_ARGS, *(t.data_ptr() for t in (
         a24, _meta(a24, Tr, Fh), da, order, slots, dz_buf, _meta(dz_buf, Tr, Fh), a_buf, _meta(a_buf, Fh, Tp), a_full,
         g_buf, _meta(g_buf, Fh, Tp), g_full)), T, Tp, Tr, Fh, da.stride(0), device=da.device)
     return _results(dz_buf, outs, Tr, Fh, k, True)
@@ -382,9 +381,9 @@ def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor) -> None:
 def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor) -> None:
     """dw2[:, f] = g[slots[f]] in place for every f with slots[f] >= 0 (dw2 [d, F], g [k, d], slots
     [F] int32 as `dense_slots` numbers them): dW2's columns of the dense features. Scattering the
-    2-byte columns took 0.20 ms at 7B (torch's indexed assignment; 0.17 ms in a Triton scatter),
-    rewriting only the 32-byte sectors that hold one 0.146 ms; this reads and writes all of dW2
-    with whole lines, 0.077 ms (a copy of dW2 takes 0.068; benchmarks/RESULTS.md)."""
+    2-byte columns (torch's indexed assignment, or a Triton scatter), or rewriting only the 32-byte
+    sectors that hold one, was slower than reading and writing all of dW2 with whole lines, which
+    costs about a copy of dW2 (benchmarks/RESULTS.md)."""
     k, D = g.shape
     _check_dense_write("write_dense_columns", dw2, slots, g, (D, slots.shape[0]), (dw2.shape[1],))
     if slots.dtype != torch.int32:

@@ -1,13 +1,8 @@
 """Schemas of the `model` and `ffn` config groups (see configs/model, configs/ffn)."""
 from dataclasses import dataclass
-from enum import Enum
 from typing import Optional
 
-
-class FFNKind(str, Enum):
-    swiglu = "swiglu"    # W2 (silu(W1 x) * W3 x), Llama's FFN
-    srelu = "srelu"      # W2 relu(W1 x)^2, hidden 1.5x SwiGLU's to match parameters and FLOPs
-    srelu24 = "srelu24"  # srelu with the 2:4 activation sparsity recipe
+from .ffn import check_ffn_kind, ffn_class
 
 
 @dataclass
@@ -28,8 +23,8 @@ class ModelConfig:
 
 @dataclass
 class FFNConfig:
-    kind: FFNKind = FFNKind.swiglu
-    hidden_dim: Optional[int] = None  # None: swiglu_hidden for swiglu, 1.5x rounded to 128 for srelu*
+    kind: str = "swiglu"              # a registered FFN (model/ffn.py): swiglu, srelu, srelu24
+    hidden_dim: Optional[int] = None  # None: the variant's default_hidden (swiglu_hidden; 1.5x for srelu*)
     # The srelu24 recipe; the dense variants ignore these.
     dense_warmup_steps: int = 1000       # plain srelu for this many steps, then 2:4
     token_permutation: bool = True       # permute tokens before the token-dim 2:4 of the weight grads
@@ -37,19 +32,13 @@ class FFNConfig:
     reuse_forward_mask: bool = True      # backward re-applies the forward 2:4 mask to dZ
     kernels: bool = True                 # fused GPU kernels + cuSPARSELt where they run (sm80/sm90)
 
-
-SRELU_HIDDEN_MULTIPLE = 128
-# The sm90 sparse GEMM layout wants the 2:4 (reduction) dimension a multiple of 32 and
-# the rows of the transposed operand (features) a multiple of 64.
-SPARSE24_HIDDEN_MULTIPLE = 64
+    def __post_init__(self):  # also where Hydra's config becomes objects: an unknown kind fails at start-up
+        check_ffn_kind(self.kind)
 
 
 def ffn_hidden_dim(model: ModelConfig, ffn: FFNConfig) -> int:
-    """The FFN hidden size. srelu gets 1.5x SwiGLU's (2 matrices instead of 3: same
-    parameters and FLOPs), rounded to the nearest multiple of 128."""
+    """The FFN hidden size: ffn.hidden_dim, or the variant's default for the model
+    (`default_hidden` of its class in model/ffn.py)."""
     if ffn.hidden_dim is not None:
         return ffn.hidden_dim
-    if ffn.kind == FFNKind.swiglu:
-        return model.swiglu_hidden
-    m = SRELU_HIDDEN_MULTIPLE
-    return max(m, (3 * model.swiglu_hidden // 2 + m // 2) // m * m)
+    return ffn_class(ffn.kind).default_hidden(model.swiglu_hidden)

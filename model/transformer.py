@@ -4,7 +4,8 @@ onto Hugging Face's LlamaForCausalLM (see HF_NAMES).
 
 Initialisation (`Transformer.reset_parameters`):
 - every Linear and the token embedding: normal(0, init_std), init_std = 0.02 by default;
-- the two projections that write into the residual stream (attention `wo`, FFN `w2`):
+- the projections that write into the residual stream (attention `wo`; the FFN's
+  `residual_projections()`, `w2` for all three variants):
   normal(0, init_std / sqrt(2 * n_layers)), so the residual's variance does not grow with
   depth (GPT-2, torchtitan);
 - RMSNorm weights: 1.
@@ -25,9 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .config import FFNConfig, FFNKind, ModelConfig, ffn_hidden_dim
-from .ffn import SReLU24, build_ffn
-from .sparse24 import Sparse24Recipe
+from .config import FFNConfig, ModelConfig, ffn_hidden_dim
+from .ffn import build_ffn
 
 
 class RMSNorm(nn.Module):
@@ -117,8 +117,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        recipe = Sparse24Recipe(ffn.token_permutation, ffn.dense_feature_fraction, ffn.reuse_forward_mask)
-        self.feed_forward = build_ffn(FFNKind(ffn.kind), cfg.dim, ffn_hidden_dim(cfg, ffn), recipe, ffn.kernels)
+        self.feed_forward = build_ffn(ffn, cfg.dim, ffn_hidden_dim(cfg, ffn))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 kv: Optional[tuple[Tensor, Tensor]] = None, start_pos: int = 0) -> Tensor:
@@ -165,22 +164,23 @@ class Transformer(nn.Module):
             layer.feed_forward.stats.zero_()
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        residual = {id(layer.attention.wo.weight) for layer in self.layers}
+        residual |= {id(w) for layer in self.layers for w in layer.feed_forward.residual_projections()}
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 _init(p, nn.init.ones_)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif id(p) in residual:
                 _init(p, lambda t: nn.init.normal_(t, 0.0, residual_std))
             else:
                 _init(p, lambda t: nn.init.normal_(t, 0.0, std))
 
-    def set_sparse24(self, active: bool) -> None:
+    def set_2to4(self, active: bool) -> None:
         """Switch the srelu24 FFNs between the dense warmup and 2:4 (no-op for other FFNs)."""
-        for m in self.modules():
-            if isinstance(m, SReLU24):
-                m.sparse = active
+        for layer in self.layers:
+            layer.feed_forward.set_2to4(active)
 
     def collect_ffn_stats(self, enabled: bool) -> None:
-        """Have every FFN add activation statistics to its device buffer (model/stats.py)."""
+        """Have every FFN add activation statistics to its device buffer (kernels/ffn_stats.py)."""
         for layer in self.layers:
             layer.feed_forward.collect_stats = enabled
 

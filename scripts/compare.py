@@ -80,7 +80,7 @@ def summarize(run: Path) -> dict:
     val = [r for r in rows if "val_loss" in r]
     window = steady([r for r in train if "tokens_per_s" in r])
     # srelu24: the 2:4 phase alone (intervals logged with 2:4 on, after the first: the switch)
-    sparse_window = [r for r in train if "tokens_per_s" in r and r.get("sparse24") == 1][1:]
+    sparse_window = [r for r in train if "tokens_per_s" in r and r.get("mode_2to4") == 1][1:]
     sparsity = [r["layers"]["act_sparsity"] for r in rows if r.get("layers", {}).get("act_sparsity")]
     mem = [r["mem_allocated_gib"] for r in rows if "mem_allocated_gib" in r]
     return {

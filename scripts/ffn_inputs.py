@@ -11,7 +11,7 @@ def ffn_inputs(D: int, Fh: int, T: int, requires_grad: bool = False, density: fl
     """x [T, D], dY [T, D], W1 [Fh, D], W2 [D, Fh] in bf16 on the current GPU, the weights scaled by
     1/sqrt(fan-in), so that Z = X W1^T is about N(0, 1): half its entries positive, as at init.
     density: the fraction of Z above zero instead, for activations as sparse as a trained model's
-    (84-98% zeros after srelu, shared/PAPER_NOTES.md). X's last column becomes a constant 1 and
+    (84-98% zeros after srelu, docs/METHOD.md, 2:4 activation sparsity). X's last column becomes a constant 1 and
     W1's last column -q, so Z is about N(-q, 1) with P(Z > 0) = density for every feature.
     requires_grad: x, W1 and W2 are leaves that take gradients. device: the GPU by default."""
     bf = torch.bfloat16

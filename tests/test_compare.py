@@ -116,7 +116,7 @@ def test_two_four_phase_throughput_and_per_layer_csv(multirun, report):
     rows = {r["variant"]: r for r in read_csv(report / "summary.csv")}
     assert rows["swiglu"]["tokens_per_s_24"] == ""  # no 2:4 phase
     logged = metrics(multirun / "1_srelu24")
-    phase = [m["tokens_per_s"] for m in logged if m.get("sparse24") == 1 and "tokens_per_s" in m][1:]
+    phase = [m["tokens_per_s"] for m in logged if m.get("mode_2to4") == 1 and "tokens_per_s" in m][1:]
     assert phase and float(rows["srelu24"]["tokens_per_s_24"]) == pytest.approx(sorted(phase)[len(phase) // 2]
                                                                                if len(phase) % 2 else
                                                                                sum(sorted(phase)[len(phase) // 2 - 1:

@@ -2,11 +2,11 @@
 import pytest
 
 from helpers import EXPERIMENTS, compose_config, run_train, to_object
-from model.config import FFNKind, ffn_hidden_dim
+from model.config import ffn_hidden_dim
 
 
 def test_experiment_list_is_complete():
-    want = {"demo"} | {f"{v}_{s}" for v in ("swiglu", "srelu", "sparse") for s in ("125m", "1b", "7b")}
+    want = {"demo"} | {f"{v}_{s}" for v in ("swiglu", "srelu", "srelu24") for s in ("125m", "1b", "7b")}
     assert want <= set(EXPERIMENTS)
 
 
@@ -16,7 +16,7 @@ def test_every_experiment_composes(experiment):
     assert cfg.name == experiment
     if experiment != "demo" and not experiment.startswith("study_"):
         variant, scale = experiment.split("_")
-        assert cfg.ffn.kind == {"swiglu": FFNKind.swiglu, "srelu": FFNKind.srelu, "sparse": FFNKind.srelu24}[variant]
+        assert cfg.ffn.kind == {"swiglu": "swiglu", "srelu": "srelu", "srelu24": "srelu24"}[variant]
         assert cfg.model.name == scale
         # each experiment states its budget, batch, sequence length and learning rate
         assert cfg.trainer.total_tokens > 0 and cfg.trainer.batch_size > 0 and cfg.optim.lr > 0
@@ -26,18 +26,18 @@ def test_every_experiment_composes(experiment):
 @pytest.mark.parametrize("ffn", ["swiglu", "srelu", "srelu24"])
 def test_command_line_ffn_wins_over_demo(ffn):
     cfg = to_object(compose_config([f"ffn={ffn}", "+experiment=demo"]))
-    assert cfg.ffn.kind.value == ffn
+    assert cfg.ffn.kind == ffn
 
 
-def test_sparse_7b_is_llama2_7b_shaped_srelu24():
-    cfg = to_object(compose_config(["+experiment=sparse_7b"]))
+def test_srelu24_7b_is_llama2_7b_shaped_srelu24():
+    cfg = to_object(compose_config(["+experiment=srelu24_7b"]))
     assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads) == (4096, 32, 32)
-    assert cfg.ffn.kind == FFNKind.srelu24 and ffn_hidden_dim(cfg.model, cfg.ffn) == 16512
+    assert cfg.ffn.kind == "srelu24" and ffn_hidden_dim(cfg.model, cfg.ffn) == 16512
     assert cfg.ffn.dense_feature_fraction == 0.05 and cfg.ffn.token_permutation and cfg.ffn.reuse_forward_mask
 
 
 def test_recipe_switches_are_settable():
-    cfg = to_object(compose_config(["+experiment=sparse_125m", "ffn.token_permutation=false",
+    cfg = to_object(compose_config(["+experiment=srelu24_125m", "ffn.token_permutation=false",
                                     "ffn.reuse_forward_mask=false", "ffn.dense_warmup_steps=0",
                                     "ffn.dense_feature_fraction=0.1"]))
     f = cfg.ffn
@@ -46,12 +46,12 @@ def test_recipe_switches_are_settable():
 
 
 STUDY_VARIANTS = {  # variant -> (ffn kind, token_permutation, reuse_forward_mask, dense warmup)
-    "swiglu": (FFNKind.swiglu, True, True, 300),
-    "srelu": (FFNKind.srelu, True, True, 300),
-    "srelu24": (FFNKind.srelu24, True, True, 300),
-    "srelu24_no_permutation": (FFNKind.srelu24, False, True, 300),
-    "srelu24_no_mask_reuse": (FFNKind.srelu24, True, False, 300),
-    "srelu24_no_dense_warmup": (FFNKind.srelu24, True, True, 0),
+    "swiglu": ("swiglu", True, True, 300),
+    "srelu": ("srelu", True, True, 300),
+    "srelu24": ("srelu24", True, True, 300),
+    "srelu24_no_permutation": ("srelu24", False, True, 300),
+    "srelu24_no_mask_reuse": ("srelu24", True, False, 300),
+    "srelu24_no_dense_warmup": ("srelu24", True, True, 0),
 }
 
 
@@ -74,13 +74,13 @@ def test_study_sweeps_six_variants_with_one_seed_and_budget():
 
 
 def test_cfg_job_prints_composed_config():
-    r = run_train(["+experiment=sparse_7b", "--cfg", "job"])
+    r = run_train(["+experiment=srelu24_7b", "--cfg", "job"])
     assert r.returncode == 0, r.stderr
     assert "kind: srelu24" in r.stdout and "dim: 4096" in r.stdout
 
 
 def test_dry_run_prints_sizes_without_allocating(tmp_path):
-    r = run_train(["+experiment=sparse_7b", "trainer.dry_run=true", "model.vocab_size=32000",
+    r = run_train(["+experiment=srelu24_7b", "trainer.dry_run=true", "model.vocab_size=32000",
                    f"hydra.run.dir={tmp_path}"])
     assert r.returncode == 0, r.stderr
     assert "6,476,271,616" in r.stdout  # non-embedding parameters of Llama-2-7B shapes (srelu hidden 16512)
@@ -117,8 +117,8 @@ def test_bad_enum_value_lists_valid_values():
 
 
 def test_unknown_experiment_lists_experiments():
-    line = one_error_line(run_train(["+experiment=sparse_13b"]))
-    assert "sparse_7b" in line and "demo" in line
+    line = one_error_line(run_train(["+experiment=srelu24_13b"]))
+    assert "srelu24_7b" in line and "demo" in line
 
 
 def test_srelu24_hidden_size_it_cannot_take(tmp_path):

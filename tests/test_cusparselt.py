@@ -90,10 +90,10 @@ class _NullContext:
 def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed, transpose_result, searched):
     """Default and searched algorithm ids (the FFN runs the searched ones), row- and column-major
     products (dW2 is written transposed); the second call reuses the plan on fresh inputs."""
-    from kernels.sparsify24 import srelu_sparsify24
+    from kernels.srelu24_sparsify import srelu_sparsify_2to4
 
     def operands():
-        a, _ = srelu_sparsify24(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        a, _ = srelu_sparsify_2to4(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if b_transposed else \
             torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
         return a, b
@@ -113,9 +113,9 @@ def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed
 @pytest.mark.gpu
 def test_inputs_the_plans_are_not_built_for_go_to_torchs_op(fresh_cache):
     """A B in neither layout is made contiguous first; fp16 operands get no (bf16) plan."""
-    from kernels.sparsify24 import srelu_sparsify24
+    from kernels.srelu24_sparsify import srelu_sparsify_2to4
 
-    a, _ = srelu_sparsify24(torch.randn(128, 64, device="cuda", dtype=torch.bfloat16))
+    a, _ = srelu_sparsify_2to4(torch.randn(128, 64, device="cuda", dtype=torch.bfloat16))
     strided = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)[:, ::2]  # [64, 32], neither layout
     assert torch.equal(C.cached_mm(a, strided, 0), torch._cslt_sparse_mm(a, strided.contiguous()))
     planned = set(C._PLANS)

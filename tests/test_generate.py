@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import ROOT, run_train, tiny_overrides, write_corpus
-from model import FFNConfig, FFNKind, ModelConfig, Transformer
+from model import FFNConfig, ModelConfig, Transformer
 from model.generate import generate, sample_next
 
 pytestmark = pytest.mark.filterwarnings("ignore:srelu24. using the pure-PyTorch")
@@ -25,8 +25,8 @@ def make_model(kind: str, n_kv_heads=2, init_std=0.1, seed=0) -> Transformer:
     torch.manual_seed(seed)
     cfg = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, swiglu_hidden=128,
                       max_seq_len=MAX_LEN, init_std=init_std)
-    m = Transformer(cfg, FFNConfig(kind=FFNKind(kind)), V).eval()
-    m.set_sparse24(kind == "srelu24")
+    m = Transformer(cfg, FFNConfig(kind=kind), V).eval()
+    m.set_2to4(kind == "srelu24")
     return m
 
 
@@ -76,7 +76,7 @@ def test_srelu24_cache_test_really_is_sparse():
     m = make_model("srelu24")
     x = tokens(1, 12)
     sparse = m(x)
-    m.set_sparse24(False)
+    m.set_2to4(False)
     assert (sparse - m(x)).abs().max() > 1e-3
 
 

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cslt_layout import compress, compressed_numel, decompress, nibble_index
-from kernels.sparsify24 import activation_totals_reference, padded_rows, srelu_sparsify24, srelu_sparsify24_reference
-from model.sparse24 import mask_2to4
-from model.stats import ELEMENTS, N_SUMS
+from kernels.srelu24_sparsify import activation_totals_reference, padded_rows, srelu_sparsify_2to4, srelu_sparsify_2to4_reference
+from kernels.srelu24_reference import mask_2to4
+from kernels.ffn_stats import ELEMENTS, N_SUMS
 
 
 def random_z(m: int, k: int, seed: int, device="cpu") -> torch.Tensor:
@@ -53,16 +53,16 @@ def test_layout_rejects_shapes_it_cannot_take():
     with pytest.raises(ValueError, match="rows % 64"):
         compress(torch.zeros(96, 32), torch.ones(96, 32, dtype=torch.bool))
     with pytest.raises(ValueError, match="multiple of 32"):
-        srelu_sparsify24(torch.zeros(64, 48, dtype=torch.bfloat16))
+        srelu_sparsify_2to4(torch.zeros(64, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="totals need the counts"):
-        srelu_sparsify24(torch.zeros(64, 32, dtype=torch.bfloat16), counts=False, totals=torch.zeros(3, dtype=torch.float64))
+        srelu_sparsify_2to4(torch.zeros(64, 32, dtype=torch.bfloat16), counts=False, totals=torch.zeros(3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("m,k,bands", [(64, 32, 1), (100, 96, 1), (192, 64, 2), (1, 32, 8), (640, 128, 8)])
 def test_fused_kernel_equals_reference_bit_for_bit(m, k, bands):
     z = random_z(m, k, seed=m * 1000 + k)
-    buf, counts = srelu_sparsify24(z, bands=bands)
-    ref, ref_counts = srelu_sparsify24_reference(z)
+    buf, counts = srelu_sparsify_2to4(z, bands=bands)
+    ref, ref_counts = srelu_sparsify_2to4_reference(z)
     assert buf.shape == ref.shape == (padded_rows(m), 9 * k // 16)
     assert torch.equal(buf.view(torch.int16), ref.view(torch.int16))
     assert torch.equal(counts, ref_counts)
@@ -70,26 +70,26 @@ def test_fused_kernel_equals_reference_bit_for_bit(m, k, bands):
 
 @pytest.mark.parametrize("m,k,bands", [(100, 96, 1), (640, 128, 8)])
 def test_fused_kernel_totals_for_the_statistics(m, k, bands):
-    """On logged steps the same pass reduces what model/stats.py needs; the row built from it
+    """On logged steps the same pass reduces what kernels/ffn_stats.py needs; the row built from it
     equals the one the statistics compute from the activation itself."""
-    from model.stats import sparse24_sums, sparse24_sums_from_counts
+    from kernels.ffn_stats import srelu24_sums, srelu24_sums_from_counts
 
     z = random_z(m, k, seed=m + k)
     totals = torch.zeros(3, dtype=torch.float64)
-    buf, counts = srelu_sparsify24(z, bands=bands, totals=totals)
-    ref_buf, ref_counts = srelu_sparsify24_reference(z)
+    buf, counts = srelu_sparsify_2to4(z, bands=bands, totals=totals)
+    ref_buf, ref_counts = srelu_sparsify_2to4_reference(z)
     assert torch.equal(buf.view(torch.int16), ref_buf.view(torch.int16)) and torch.equal(counts, ref_counts)
     want = activation_totals_reference(z)
     assert totals[0] == want[0] > 0                                   # non-zeros: exact
     assert torch.allclose(totals[1:], want[1:], rtol=1e-5) and want[2] > 0
-    row = sparse24_sums_from_counts(counts, totals, m, 0.05)
-    ref_row = sparse24_sums(F.relu(z).square(), None, 0.05, sparse=True)
+    row = srelu24_sums_from_counts(counts, totals, m, 0.05)
+    ref_row = srelu24_sums(F.relu(z).square(), None, 0.05, sparse=True)
     assert torch.allclose(row, ref_row, rtol=1e-5), (row, ref_row)
 
 
 def test_reference_keeps_the_2_largest_activations():
     z = random_z(64, 64, seed=7)
-    buf, counts = srelu_sparsify24_reference(z)
+    buf, counts = srelu_sparsify_2to4_reference(z)
     a = F.relu(z).square()
     a24 = decompress(buf, 64, 64)
     assert torch.equal(a24, a * mask_2to4(a))
@@ -103,10 +103,10 @@ def test_fused_kernel_feeds_cusparselt(m, k):
     """On CUDA: same bytes as the reference, and torch._cslt_sparse_mm on the buffer computes A24 @ B."""
     z = random_z(m, k, seed=m, device="cuda")
     totals = torch.zeros(3, dtype=torch.float64, device="cuda")
-    buf, counts = srelu_sparsify24(z, totals=totals)
+    buf, counts = srelu_sparsify_2to4(z, totals=totals)
     want = activation_totals_reference(z)
     assert totals[0] == want[0] and torch.allclose(totals[1:], want[1:], rtol=1e-5)  # float64 atomics on the GPU
-    ref, ref_counts = srelu_sparsify24_reference(z)
+    ref, ref_counts = srelu_sparsify_2to4_reference(z)
     assert torch.equal(buf.view(torch.int16), ref.view(torch.int16)) and torch.equal(counts, ref_counts)
     b = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
     y = torch._cslt_sparse_mm(buf, b.t()).float()
@@ -116,14 +116,14 @@ def test_fused_kernel_feeds_cusparselt(m, k):
 
 @pytest.mark.parametrize("recipe", [(True, 0.05, True), (False, 0.0, True), (True, 0.1, False)])
 def test_kernel_ffn_equals_the_reference(monkeypatch, recipe):
-    """The whole kernel FFN (forward and the three gradients) against model.sparse24's reference.
+    """The whole kernel FFN (forward and the three gradients) against kernels.srelu24_reference's reference.
     On CPU, cuSPARSELt's product is stood in for by decompress + matmul, so this checks every
     kernel and the plumbing around the GEMMs; the GPU test below uses the real one."""
     import kernels.srelu24_ffn as K
-    from model.sparse24 import Sparse24Recipe, srelu24_ffn
+    from kernels.srelu24_reference import SReLU24Recipe, srelu24_ffn
 
     _cslt_stand_in(monkeypatch)
-    r = Sparse24Recipe(*recipe)
+    r = SReLU24Recipe(*recipe)
     g = torch.Generator().manual_seed(sum(map(hash, recipe)) % 1000)
     x = torch.randn(100, 64, generator=g).bfloat16()
     w1, w2 = torch.randn(128, 64, generator=g) / 8, torch.randn(64, 128, generator=g) / 11
@@ -170,10 +170,10 @@ def test_kernel_ops_pass_torch_library_opcheck(monkeypatch):
 def test_kernel_ffn_compiles_without_a_graph_break(monkeypatch):
     """fullgraph=True fails on any graph break; forward and gradients equal eager's."""
     import kernels.srelu24_ffn as K
-    from model.sparse24 import Sparse24Recipe
+    from kernels.srelu24_reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
-    r = Sparse24Recipe(True, 0.05, True)
+    r = SReLU24Recipe(True, 0.05, True)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(2, 50, 64, generator=g)
     w1, w2 = torch.randn(128, 64, generator=g) / 8, torch.randn(64, 128, generator=g) / 11
@@ -200,12 +200,12 @@ def test_kernel_ffn_compiles_without_a_graph_break(monkeypatch):
 def test_srelu24_module_on_the_kernel_path_compiles_in_one_graph(monkeypatch):
     """The model's FFN module as the trainer compiles it on a GPU (kernel path forced on CPU)."""
     import model.ffn as ffn
-    from model.sparse24 import Sparse24Recipe
+    from kernels.srelu24_reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     monkeypatch.setattr(ffn, "kernels_available", lambda x: True)
     torch.manual_seed(0)
-    m = ffn.SReLU24(64, 128, Sparse24Recipe(False, 0.05, True))
+    m = ffn.SReLU24(64, 128, SReLU24Recipe(False, 0.05, True))
     m.sparse = m.collect_stats = True
     x = torch.randn(2, 32, 64)
     torch._dynamo.reset()
@@ -228,7 +228,7 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
     """The one-pass backward kernel writes dZ (feature-dim, permuted rows), S(A24)^T and S(dZ)^T
     bit for bit as the references do, including token counts not a multiple of 32 or 64 (80:
     dZ's rows pad to 128 but the token operands to 96)."""
-    from kernels.sparsify24_backward import backward_operands, backward_operands_reference
+    from kernels.srelu24_sparsify_backward import backward_operands, backward_operands_reference
 
     z, da = random_z(t, f, seed=t + 3 * f), random_z(t, f, seed=t * f + 1).flip(0).contiguous()
     g = torch.Generator().manual_seed(f + t)
@@ -245,7 +245,7 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
 
 @pytest.mark.parametrize("bands", [2, 4])
 def test_backward_operands_with_several_bands_per_program(bands):
-    from kernels.sparsify24_backward import backward_operands, backward_operands_reference
+    from kernels.srelu24_sparsify_backward import backward_operands, backward_operands_reference
 
     z, da = random_z(96, 256, seed=5), random_z(96, 256, seed=6)
     perm = torch.randperm(96, generator=torch.Generator().manual_seed(7))
@@ -258,12 +258,12 @@ def test_backward_operands_with_several_bands_per_program(bands):
 def test_dz_operand_keeps_the_forward_positions():
     """Without a permutation, the backward's dZ operand names the positions the forward kept:
     its metadata is the forward kernel's, word for word."""
-    from kernels.sparsify24_backward import backward_operands, dz_sparsify24_reference
+    from kernels.srelu24_sparsify_backward import backward_operands, dz_sparsify_2to4_reference
 
     z, da = random_z(100, 96 * 2, seed=11), random_z(100, 96 * 2, seed=12)
     got, _, _ = backward_operands(z, da, None, None)
-    assert torch.equal(got.view(torch.int16), dz_sparsify24_reference(z, da).view(torch.int16))
-    fwd, _ = srelu_sparsify24(z)
+    assert torch.equal(got.view(torch.int16), dz_sparsify_2to4_reference(z, da).view(torch.int16))
+    fwd, _ = srelu_sparsify_2to4(z)
     n = padded_rows(100) * 96  # values first: [rows, F/2]
     assert torch.equal(got.reshape(-1)[n:].view(torch.int16), fwd.reshape(-1)[n:].view(torch.int16))
 
@@ -272,7 +272,7 @@ def test_dz_operand_keeps_the_forward_positions():
 def test_kernel_ffn_on_cuda_matches_the_reference():
     """cuSPARSELt for real: output and gradients of the kernel FFN against the PyTorch reference."""
     import kernels.srelu24_ffn as K
-    from model.sparse24 import Sparse24Recipe, srelu24_ffn
+    from kernels.srelu24_reference import SReLU24Recipe, srelu24_ffn
 
     x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     w1, w2 = torch.randn(1024, 256, device="cuda") / 16, torch.randn(256, 1024, device="cuda") / 32
@@ -281,7 +281,7 @@ def test_kernel_ffn_on_cuda_matches_the_reference():
     for fn in (srelu24_ffn, K.srelu24_ffn_kernels):
         xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = fn(xx, a, b, Sparse24Recipe())
+            y = fn(xx, a, b, SReLU24Recipe())
         torch.manual_seed(3)
         y.backward(dy)
         outs.append([y.float(), xx.grad.float(), a.grad, b.grad])
@@ -294,10 +294,10 @@ def test_srelu24_module_compiled_by_inductor_on_cuda():
     """The trainer's compiled path on a GPU: inductor around the custom ops, logged and unlogged
     steps with backward, against eager (same token permutations)."""
     from model.ffn import SReLU24
-    from model.sparse24 import Sparse24Recipe
+    from kernels.srelu24_reference import SReLU24Recipe
 
     torch.manual_seed(0)
-    m = SReLU24(256, 1024, Sparse24Recipe()).cuda()
+    m = SReLU24(256, 1024, SReLU24Recipe()).cuda()
     m.sparse = True
     compiled = torch.compile(m)
     x = torch.randn(4, 250, 256, device="cuda")
@@ -324,14 +324,14 @@ def _cuda_kernel_built() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=pytest.mark.skipif(
-    not _cuda_kernel_built(), reason="needs `make kernels` (build/sp24_kernels.so) and an sm80/sm90 GPU"))])
+    not _cuda_kernel_built(), reason="needs `make kernels` (build/srelu24_kernels.so) and an sm80/sm90 GPU"))])
 @pytest.mark.parametrize("t,f,n_dense,permuted", [(4000, 1024, 3, True), (100, 128, 0, False), (80, 192, 5, True),
                                                   (4096, 2048, 100, True), (1000, 64, 64, True), (33, 256, 1, True)])
 def test_backward_operands_on_cuda_equal_reference(backend, t, f, n_dense, permuted):
     """The one-pass backward kernels on the GPU (Triton, and the CUDA C++ one when built), bit for
     bit against the reference, on fresh random inputs: token counts off the 32/64 tiles, no, some
     and all features dense, with and without the permutation."""
-    from kernels.sparsify24_backward import backward_operands, backward_operands_reference
+    from kernels.srelu24_sparsify_backward import backward_operands, backward_operands_reference
 
     z, da = random_z(t, f, seed=t + f, device="cuda"), random_z(t, f, seed=t * f, device="cuda").flip(0).contiguous()
     z[t // 2:, f // 2:] = -z[t // 2:, f // 2:]
@@ -343,14 +343,14 @@ def test_backward_operands_on_cuda_equal_reference(backend, t, f, n_dense, permu
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` (build/sp24_kernels.so) and an sm80/sm90 GPU")
+@pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` (build/srelu24_kernels.so) and an sm80/sm90 GPU")
 @pytest.mark.parametrize("t,f,n_dense,permuted", [(4000, 1024, 3, True), (100, 128, 0, False), (80, 192, 5, True),
                                                   (4096, 2048, 100, True), (1000, 64, 64, True), (33, 256, 1, True)])
 def test_backward_operands_from_a24_equal_reference(t, f, n_dense, permuted):
     """The backward pass reading the forward's compressed A24 (what the FFN keeps) instead of Z:
     bit for bit the reference over Z, on fresh random inputs with zeros, ties and all-zero groups,
     token counts off the tiles, strided dA rows in one case."""
-    from kernels.sparsify24_backward import backward_operands_from_a24, backward_operands_reference
+    from kernels.srelu24_sparsify_backward import backward_operands_from_a24, backward_operands_reference
 
     z = random_z(t, f, seed=t + f + 1, device="cuda")
     z[t // 2:, f // 2:] = -z[t // 2:, f // 2:]
@@ -358,7 +358,7 @@ def test_backward_operands_from_a24_equal_reference(t, f, n_dense, permuted):
     da = wide[:, 64:] if t == 80 else wide[:, :f].contiguous()
     perm = torch.randperm(t, device="cuda") if permuted else None
     dense = torch.randperm(f, device="cuda")[:n_dense] if n_dense else None
-    a24 = srelu_sparsify24(z)[0]
+    a24 = srelu_sparsify_2to4(z)[0]
     got = backward_operands_from_a24(a24, da, perm, dense)
     want = backward_operands_reference(z, da, perm, dense)
     assert_operands_equal(got, want)
@@ -374,7 +374,7 @@ def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
     w1 = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16) / 16
     w2 = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16) / 32
     _, saved, _, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, True, True)
-    want = srelu_sparsify24(x @ w1.t())[0]
+    want = srelu_sparsify_2to4(x @ w1.t())[0]
     assert saved.shape == (padded_rows(1000), 1024 * 9 // 16) and torch.equal(saved.view(torch.int16),
                                                                              want.view(torch.int16))
     _, saved, _, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, True, False)  # the ablation's backward reads Z
@@ -382,7 +382,7 @@ def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
 
 
 def test_relu_comes_back_exactly_from_the_rounded_square():
-    """What the backward over A24 relies on (kernels/csrc/sp24_sparsify.cu, relu_from_a24): for every
+    """What the backward over A24 relies on (kernels/csrc/srelu24_sparsify.cu, relu_from_a24): for every
     bf16 z whose square is a normal bf16, bf16(sqrt(bf16(z^2))) == z, and sqrt(a) stays far enough
     (> 2^-11 relative) from a rounding boundary that an approximate sqrt (error ~2^-22) rounds the same."""
     bits = torch.arange(0x0080, 0x7F80, dtype=torch.int32).to(torch.int16)  # every positive normal bf16
@@ -400,10 +400,10 @@ def test_relu_comes_back_exactly_from_the_rounded_square():
 
 
 def test_backward_operands_from_a24_names_what_it_needs():
-    from kernels.sparsify24_backward import backward_operands_from_a24
+    from kernels.srelu24_sparsify_backward import backward_operands_from_a24
 
     da = random_z(100, 128, seed=2)
-    with pytest.raises(ValueError, match=r"needs A24 as srelu_sparsify24 writes it for dA's 100 tokens: "
+    with pytest.raises(ValueError, match=r"needs A24 as srelu_sparsify_2to4 writes it for dA's 100 tokens: "
                                          r"bf16 \[128, 72\], contiguous; got torch.bfloat16 \(100, 128\)"):
         backward_operands_from_a24(da, da, None, None)
     with pytest.raises(ValueError, match="make kernels.*backward_operands\\(z, ...\\) runs anywhere"):
@@ -414,7 +414,7 @@ def test_backward_operands_from_a24_names_what_it_needs():
 @pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` and an sm80/sm90 GPU")
 def test_backward_operands_cuda_kernel_reads_strided_rows():
     """Z and dA as row slices of wider buffers (row strides that are not the feature count)."""
-    from kernels.sparsify24_backward import backward_operands, backward_operands_reference
+    from kernels.srelu24_sparsify_backward import backward_operands, backward_operands_reference
 
     wide = random_z(500, 384, seed=9, device="cuda")
     z, da = wide[:, :256], random_z(500, 320, seed=10, device="cuda")[:, 64:]
@@ -433,11 +433,11 @@ def test_sparsify_cuda_kernel_equals_reference(m, k, shift):
     """The forward's CUDA kernel: compressed A24 (padding rows included) and counts, bit for bit,
     on fresh random inputs; strided rows too."""
     z = random_z(m, k, seed=m + k, device="cuda") - shift
-    buf, counts = srelu_sparsify24(z, backend="cuda")
-    want, want_counts = srelu_sparsify24_reference(z)
+    buf, counts = srelu_sparsify_2to4(z, backend="cuda")
+    want, want_counts = srelu_sparsify_2to4_reference(z)
     assert torch.equal(buf.view(torch.int16), want.view(torch.int16)) and torch.equal(counts, want_counts)
     wide = torch.cat([z, z[:, :64]], 1)[:, :k]  # row stride k + 64
-    buf, counts = srelu_sparsify24(wide, backend="cuda")
+    buf, counts = srelu_sparsify_2to4(wide, backend="cuda")
     assert torch.equal(buf.view(torch.int16), want.view(torch.int16)) and torch.equal(counts, want_counts)
 
 
@@ -446,23 +446,23 @@ def test_sparsify_backend_errors_name_the_choices(monkeypatch, tmp_path):
 
     z = random_z(32, 64, seed=1)
     with pytest.raises(ValueError, match="one of auto, triton, cuda"):
-        srelu_sparsify24(z, backend="tilelang")
-    monkeypatch.setenv("SP24_KERNELS_LIB", str(tmp_path / "missing.so"))
+        srelu_sparsify_2to4(z, backend="tilelang")
+    monkeypatch.setenv("SRELU24_KERNELS_LIB", str(tmp_path / "missing.so"))
     monkeypatch.setattr(KERNELS, "loaded", [])
     with pytest.raises(ValueError, match="make kernels"):
-        srelu_sparsify24(z, backend="cuda")
+        srelu_sparsify_2to4(z, backend="cuda")
 
 
 def test_backward_operands_backend_errors_name_the_choices(monkeypatch, tmp_path):
     from kernels.native import KERNELS
-    from kernels.sparsify24_backward import backward_operands
+    from kernels.srelu24_sparsify_backward import backward_operands
 
     z = random_z(32, 64, seed=1)
     with pytest.raises(ValueError, match="one of auto, triton, cuda"):
-        backward_operands(z, z, None, None, backend="cutlass")
+        backward_operands(z, z, None, None, backend="cublas")
     with pytest.raises(ValueError, match="same shape, dtype and device"):
         backward_operands(z, z.float(), None, None)  # the CUDA kernel would read fp32 as bf16
-    monkeypatch.setenv("SP24_KERNELS_LIB", str(tmp_path / "missing.so"))
+    monkeypatch.setenv("SRELU24_KERNELS_LIB", str(tmp_path / "missing.so"))
     monkeypatch.setattr(KERNELS, "loaded", [])
     with pytest.raises(ValueError, match="make kernels"):
         backward_operands(z, z, None, None, backend="cuda")  # a CPU tensor, and no library
@@ -473,7 +473,7 @@ def test_dense_rows_and_columns_equal_indexed_assignment(k, d, f):
     """dW1's rows and dW2's columns of the dense features (k not a multiple of the block, d not a
     multiple of 32, F not of 128); every other element keeps its value; inputs that do not agree,
     and strided indices, are refused by name."""
-    from kernels.sparsify24_backward import dense_slots, write_dense_columns, write_dense_rows
+    from kernels.srelu24_sparsify_backward import dense_slots, write_dense_columns, write_dense_rows
 
     g = torch.Generator().manual_seed(k + d)
     dw1, dw2 = torch.randn(f, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16()
@@ -497,7 +497,7 @@ def test_dense_rows_and_columns_equal_indexed_assignment(k, d, f):
 
 
 def test_backward_operands_refuses_slots_that_are_not_dense_slots():
-    from kernels.sparsify24_backward import backward_operands, dense_slots
+    from kernels.srelu24_sparsify_backward import backward_operands, dense_slots
 
     z = torch.randn(40, 128).bfloat16()
     dense = torch.tensor([3, 70])
@@ -514,7 +514,7 @@ def test_kernel_ffn_backward_fills_no_zero_gradient_for_z(monkeypatch):
     import kernels.srelu24_ffn as K
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from model.sparse24 import Sparse24Recipe
+    from kernels.srelu24_reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     g = torch.Generator().manual_seed(2)
@@ -533,7 +533,7 @@ def test_kernel_ffn_backward_fills_no_zero_gradient_for_z(monkeypatch):
                 fills.append(func.__name__)
             return out
 
-    y = K.srelu24_ffn_kernels(x, w1, w2, Sparse24Recipe(True, 0.05, True))
+    y = K.srelu24_ffn_kernels(x, w1, w2, SReLU24Recipe(True, 0.05, True))
     with RecordZeroFills():
         y.float().square().sum().backward()
     assert fills == [] and x.grad is not None and w1.grad is not None and w2.grad is not None

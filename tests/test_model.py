@@ -9,14 +9,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import FFNConfig, FFNKind, ModelConfig, Transformer, ffn_hidden_dim, model_size
+from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim, model_size
 from model.ffn import SReLU, SReLU24, SwiGLU, build_ffn
-from model.sparse24 import Sparse24Recipe
+from kernels.srelu24_reference import SReLU24Recipe
 from model.transformer import HF_NAMES, Attention, RMSNorm, apply_rope, rope_tables
 
 pytestmark = pytest.mark.filterwarnings("ignore:srelu24. using the pure-PyTorch")
 
-KINDS = [FFNKind.swiglu, FFNKind.srelu, FFNKind.srelu24]
+KINDS = ["swiglu", "srelu", "srelu24"]
 
 # name: (dim, n_layers, n_heads, swiglu_hidden, vocab)
 SIZES = {
@@ -54,7 +54,7 @@ def small_cfg(**kw):
     return ModelConfig(**base)
 
 
-def small_model(kind=FFNKind.swiglu, vocab=97, seed=0, ffn_kw=None, **kw):
+def small_model(kind="swiglu", vocab=97, seed=0, ffn_kw=None, **kw):
     torch.manual_seed(seed)
     return Transformer(small_cfg(**kw), FFNConfig(kind=kind, **(ffn_kw or {})), vocab)
 
@@ -71,9 +71,9 @@ EXPECTED_SRELU_HIDDEN = {"tiny": 768, "125m": 3072, "350m": 4224, "1b": 8448, "7
 @pytest.mark.parametrize("name", list(SIZES))
 def test_srelu_hidden_is_1p5x_swiglu_rounded_to_128(name):
     cfg = cfg_of(name)
-    sw = ffn_hidden_dim(cfg, FFNConfig(kind=FFNKind.swiglu))
+    sw = ffn_hidden_dim(cfg, FFNConfig(kind="swiglu"))
     assert sw == cfg.swiglu_hidden
-    for kind in (FFNKind.srelu, FFNKind.srelu24):
+    for kind in ("srelu", "srelu24"):
         h = ffn_hidden_dim(cfg, FFNConfig(kind=kind))
         assert h % 128 == 0
         assert abs(h - 1.5 * sw) <= 64  # nearest multiple of 128
@@ -88,25 +88,25 @@ def test_srelu_hidden_is_1p5x_swiglu_rounded_to_128(name):
 def test_srelu_hidden_rounds_to_nearest_128_with_floor(swiglu_hidden, expected):
     # 1500 -> 1536, 1650 -> 1664, 900 -> 896 (rounds down), 15 -> at least 128
     cfg = ModelConfig(swiglu_hidden=swiglu_hidden)
-    assert ffn_hidden_dim(cfg, FFNConfig(kind=FFNKind.srelu)) == expected
-    assert ffn_hidden_dim(cfg, FFNConfig(kind=FFNKind.srelu24)) == expected
+    assert ffn_hidden_dim(cfg, FFNConfig(kind="srelu")) == expected
+    assert ffn_hidden_dim(cfg, FFNConfig(kind="srelu24")) == expected
 
 
 @pytest.mark.parametrize("name", list(SIZES))
 def test_variants_match_params_and_flops_within_1pct(name):
     sizes = {k: model_size(meta_model(name, k), SEQ) for k in KINDS}
-    ref = sizes[FFNKind.swiglu]
-    for k in (FFNKind.srelu, FFNKind.srelu24):
+    ref = sizes["swiglu"]
+    for k in ("srelu", "srelu24"):
         s = sizes[k]
         assert abs(s.total - ref.total) / ref.total < 0.01, (k, s.total, ref.total)
         assert abs(s.non_embedding - ref.non_embedding) / ref.non_embedding < 0.01
         assert abs(s.flops_per_token - ref.flops_per_token) / ref.flops_per_token < 0.01
     # srelu and srelu24 are the same network
-    assert sizes[FFNKind.srelu] == sizes[FFNKind.srelu24]
+    assert sizes["srelu"] == sizes["srelu24"]
 
 
 def test_7b_swiglu_is_llama2_7b():
-    s = model_size(meta_model("7b", FFNKind.swiglu), 4096)
+    s = model_size(meta_model("7b", "swiglu"), 4096)
     assert s.total == 6_738_415_616
     assert s.embedding == 32000 * 4096
     assert s.output == 32000 * 4096
@@ -122,17 +122,16 @@ def test_1b_non_embedding_is_about_1b():
 def test_ffn_modules_output_shapes():
     d, h = 48, 96
     x = torch.randn(2, 5, d, generator=gen(3))
-    recipe = Sparse24Recipe()
-    for kind, cls in [(FFNKind.swiglu, SwiGLU), (FFNKind.srelu, SReLU), (FFNKind.srelu24, SReLU24)]:
-        m = build_ffn(kind, d, h, recipe)
+    for kind, cls in [("swiglu", SwiGLU), ("srelu", SReLU), ("srelu24", SReLU24)]:
+        m = build_ffn(FFNConfig(kind=kind), d, h)
         assert type(m) is cls
         assert m.w1.weight.shape == (h, d) and m.w2.weight.shape == (d, h)
-        if kind == FFNKind.swiglu:
+        if kind == "swiglu":
             assert m.w3.weight.shape == (h, d)
         y = m(x)
         assert y.shape == x.shape
         assert torch.isfinite(y).all() and y.abs().sum() > 0
-    m = build_ffn(FFNKind.srelu24, d, h, recipe)
+    m = build_ffn(FFNConfig(kind="srelu24"), d, h)
     m.sparse = True
     y = m(x)
     assert y.shape == x.shape
@@ -140,9 +139,9 @@ def test_ffn_modules_output_shapes():
 
 def test_build_ffn_rejects_unknown_kind_and_bad_srelu24_hidden():
     with pytest.raises(ValueError):
-        build_ffn("gelu", 16, 32, Sparse24Recipe())
+        build_ffn(FFNConfig(kind="gelu"), 16, 32)
     with pytest.raises(ValueError):
-        build_ffn(FFNKind.srelu24, 16, 30, Sparse24Recipe())
+        build_ffn(FFNConfig(kind="srelu24"), 16, 30)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -156,11 +155,11 @@ def test_ffn_hidden_dim_override_wins(kind):
 
 
 def test_block_passes_the_recipe_to_srelu24():
-    ffn = FFNConfig(kind=FFNKind.srelu24, token_permutation=False, dense_feature_fraction=0.125,
+    ffn = FFNConfig(kind="srelu24", token_permutation=False, dense_feature_fraction=0.125,
                     reuse_forward_mask=True)
     m = Transformer(small_cfg(), ffn, 50)
     for layer in m.layers:
-        assert layer.feed_forward.recipe == Sparse24Recipe(token_permutation=False, dense_feature_fraction=0.125,
+        assert layer.feed_forward.recipe == SReLU24Recipe(token_permutation=False, dense_feature_fraction=0.125,
                                                            reuse_forward_mask=True)
 
 
@@ -179,7 +178,7 @@ def test_flops_definition(kind, tie):
     assert m.output.weight.numel() == 211 * 64
     cfg = m.cfg
     h = ffn_hidden_dim(cfg, m.ffn_cfg)
-    n_ffn_mats = 3 if kind == FFNKind.swiglu else 2
+    n_ffn_mats = 3 if kind == "swiglu" else 2
     assert s.matmul == cfg.n_layers * (4 * cfg.dim ** 2 + n_ffn_mats * cfg.dim * h) + 211 * cfg.dim
     assert s.flops_per_token == 6 * s.matmul + 12 * cfg.n_layers * cfg.dim * S
     assert s.attention_flops_per_token == 12 * cfg.n_layers * cfg.dim * S
@@ -188,7 +187,7 @@ def test_flops_definition(kind, tie):
 
 
 def test_flops_7b_closed_form():
-    s = model_size(meta_model("7b", FFNKind.swiglu), 4096)
+    s = model_size(meta_model("7b", "swiglu"), 4096)
     d, L, V, h = 4096, 32, 32000, 11008
     matmul = L * (4 * d * d + 3 * d * h) + V * d
     assert s.matmul == matmul
@@ -249,8 +248,8 @@ def test_causal(kind):
 
 def test_causal_with_srelu24_sparse_on():
     V = 97
-    m = small_model(FFNKind.srelu24, vocab=V)
-    m.set_sparse24(True)
+    m = small_model("srelu24", vocab=V)
+    m.set_2to4(True)
     with torch.no_grad():
         _check_causal(m, V)
 
@@ -333,7 +332,7 @@ def test_init_stds(kind):
         assert abs(p.mean().item()) < 0.05 * expected, name
         seen.add(name.split(".")[-2])
     expected_kinds = {"norm", "tok_embeddings", "output", "wq", "wk", "wv", "wo", "w1", "w2"}
-    if kind == FFNKind.swiglu:
+    if kind == "swiglu":
         expected_kinds.add("w3")
     assert seen == expected_kinds
 
@@ -419,7 +418,7 @@ def _hf_name(name):
 
 
 def test_hf_names_cover_every_swiglu_parameter():
-    m = small_model(FFNKind.swiglu, n_layers=3)
+    m = small_model("swiglu", n_layers=3)
     names = [n for n, _ in m.named_parameters()]
     assert {_layer_template(n) for n in names} == set(HF_NAMES)
     assert len({_hf_name(n) for n in names}) == len(names)  # one-to-one
@@ -431,7 +430,7 @@ def test_matches_hf_llama_logits():
     cfg = ModelConfig(dim=dim, n_layers=L, n_heads=H, n_kv_heads=KV, swiglu_hidden=hidden, max_seq_len=128,
                       rope_theta=theta, norm_eps=eps)
     torch.manual_seed(0)
-    ours = Transformer(cfg, FFNConfig(kind=FFNKind.swiglu), V).float().eval()
+    ours = Transformer(cfg, FFNConfig(kind="swiglu"), V).float().eval()
     with torch.no_grad():  # norm weights are ones at init; randomise them so their mapping is tested
         for n, p in ours.named_parameters():
             if n.endswith("norm.weight"):

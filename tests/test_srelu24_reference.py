@@ -1,6 +1,6 @@
-"""Tests of the 2:4 activation-sparsity reference (model/sparse24.py) and of the srelu24 FFN
+"""Tests of the 2:4 activation-sparsity reference (kernels/srelu24_reference.py) and of the srelu24 FFN
 module built on it. The backward is checked against a manual computation of the recipe in
-shared/PAPER_NOTES.md: forward mask re-applied to dZ, weight gradients 2:4 along tokens
+docs/METHOD.md, The recipe: forward mask re-applied to dZ, weight gradients 2:4 along tokens
 after a token permutation, the densest features kept dense."""
 import math
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import model.ffn as ffn_mod
-from model import FFNConfig, FFNKind, ModelConfig, Transformer
+from model import FFNConfig, ModelConfig, Transformer
 from model.ffn import SReLU, SReLU24
-from model.sparse24 import Sparse24Recipe, densest_features, mask_2to4, sparsify_tokens_2to4, srelu24_ffn
+from kernels.srelu24_reference import SReLU24Recipe, densest_features, mask_2to4, sparsify_tokens_2to4, srelu24_ffn
 
 pytestmark = pytest.mark.filterwarnings("ignore:srelu24. using the pure-PyTorch")
 
@@ -203,13 +203,13 @@ def _ref_forward(x, w1, w2):
 def test_forward_equals_masked_srelu():
     T, d, Fd = 24, 16, 32
     x, w1, w2 = randn(T, d, seed=10), randn(Fd, d, seed=11), randn(d, Fd, seed=12)
-    y = srelu24_ffn(x, w1, w2, Sparse24Recipe())
+    y = srelu24_ffn(x, w1, w2, SReLU24Recipe())
     _, a, m, ref = _ref_forward(x, w1, w2)
     assert rel_err(y, ref) < 1e-12
     # and it is not plain srelu (the mask dropped something)
     assert rel_err(y, a @ w2.t()) > 1e-3
     # leading dims are kept
-    y3 = srelu24_ffn(x.view(2, 12, d), w1, w2, Sparse24Recipe())
+    y3 = srelu24_ffn(x.view(2, 12, d), w1, w2, SReLU24Recipe())
     assert y3.shape == (2, 12, d) and rel_err(y3.view(T, d), ref) < 1e-12
 
 
@@ -218,7 +218,7 @@ def test_forward_activations_are_2to4():
     T, d, Fd = 16, 32, 32
     x, w1 = randn(T, d, seed=13), randn(Fd, d, seed=14)
     w2 = randn(d, Fd, seed=15) + 8 * torch.eye(d, dtype=torch.float64)
-    y = srelu24_ffn(x, w1, w2, Sparse24Recipe())
+    y = srelu24_ffn(x, w1, w2, SReLU24Recipe())
     act = torch.linalg.solve(w2, y.t()).t()  # y = act w2^T
     nz = act.abs() > 1e-8
     assert (groups_of_4(nz, -1).sum(-1) <= 2).all()
@@ -254,9 +254,9 @@ def _manual(x, w1, w2, dy):
 def test_dx_reuses_the_forward_mask():
     x, w1, w2, dy = _inputs()
     r = _manual(x, w1, w2, dy)
-    _, dx, _, _ = _run(x, w1, w2, dy, Sparse24Recipe(reuse_forward_mask=True))
+    _, dx, _, _ = _run(x, w1, w2, dy, SReLU24Recipe(reuse_forward_mask=True))
     assert rel_err(dx, r["dz"] @ w1) < 1e-12
-    _, dx_nm, _, _ = _run(x, w1, w2, dy, Sparse24Recipe(reuse_forward_mask=False))
+    _, dx_nm, _, _ = _run(x, w1, w2, dy, SReLU24Recipe(reuse_forward_mask=False))
     assert rel_err(dx_nm, r["dz_nomask"] @ w1) < 1e-12
     assert rel_err(dx_nm, dx) > 0.05
     # with the mask, dX is the exact gradient of the (masked) forward function
@@ -268,7 +268,7 @@ def test_dx_reuses_the_forward_mask():
 def test_weight_grads_unpermuted_no_dense_features():
     x, w1, w2, dy = _inputs()
     r = _manual(x, w1, w2, dy)
-    _, _, dw1, dw2 = _run(x, w1, w2, dy, Sparse24Recipe(token_permutation=False, dense_feature_fraction=0.0))
+    _, _, dw1, dw2 = _run(x, w1, w2, dy, SReLU24Recipe(token_permutation=False, dense_feature_fraction=0.0))
     assert rel_err(dw2, dy.t() @ ref_token_sparsify(r["a24"])) < 1e-12
     assert rel_err(dw1, ref_token_sparsify(r["dz"]).t() @ x) < 1e-12
     # and that is not the exact dense gradient
@@ -282,7 +282,7 @@ def test_weight_grads_unpermuted_with_dense_features():
     frac = 0.25
     dense = ref_densest(r["a24"], frac)
     assert len(dense) == 16
-    _, _, dw1, dw2 = _run(x, w1, w2, dy, Sparse24Recipe(token_permutation=False, dense_feature_fraction=frac))
+    _, _, dw1, dw2 = _run(x, w1, w2, dy, SReLU24Recipe(token_permutation=False, dense_feature_fraction=frac))
     # the densest features get the exact gradient
     assert rel_err(dw2[:, dense], dy.t() @ r["a24"][:, dense]) < 1e-12
     assert rel_err(dw1[dense], r["dz"][:, dense].t() @ x) < 1e-12
@@ -296,7 +296,7 @@ def test_weight_grads_unpermuted_with_dense_features():
 
 def test_permutation_depends_on_rng_and_is_reproducible():
     x, w1, w2, dy = _inputs()
-    rec = Sparse24Recipe(token_permutation=True, dense_feature_fraction=0.0)
+    rec = SReLU24Recipe(token_permutation=True, dense_feature_fraction=0.0)
     a = _run(x, w1, w2, dy, rec, seed=1)
     b = _run(x, w1, w2, dy, rec, seed=1)
     c = _run(x, w1, w2, dy, rec, seed=2)
@@ -326,7 +326,7 @@ def test_weight_grads_close_to_exact_when_activations_sparse():
     r = _manual(x, w1, w2, dy)
     density = (r["a24"] != 0).double().mean().item()
     assert 0.03 < density < 0.15
-    _, _, dw1, dw2 = _run(x, w1, w2, dy, Sparse24Recipe(token_permutation=True, dense_feature_fraction=0.0))
+    _, _, dw1, dw2 = _run(x, w1, w2, dy, SReLU24Recipe(token_permutation=True, dense_feature_fraction=0.0))
     assert rel_err(dw2, dy.t() @ r["a24"]) < 0.1
     assert rel_err(dw1, r["dz"].t() @ x) < 0.1
 
@@ -335,8 +335,8 @@ def test_token_permutation_rescues_runs_of_identical_tokens():
     x, w1, w2, dy = _sparse_runs_inputs(run=8)
     r = _manual(x, w1, w2, dy)
     exact2, exact1 = dy.t() @ r["a24"], r["dz"].t() @ x
-    _, _, u1, u2 = _run(x, w1, w2, dy, Sparse24Recipe(token_permutation=False, dense_feature_fraction=0.0))
-    _, _, p1, p2 = _run(x, w1, w2, dy, Sparse24Recipe(token_permutation=True, dense_feature_fraction=0.0))
+    _, _, u1, u2 = _run(x, w1, w2, dy, SReLU24Recipe(token_permutation=False, dense_feature_fraction=0.0))
+    _, _, p1, p2 = _run(x, w1, w2, dy, SReLU24Recipe(token_permutation=True, dense_feature_fraction=0.0))
     eu1, eu2, ep1, ep2 = (rel_err(g, e) for g, e in [(u1, exact1), (u2, exact2), (p1, exact1), (p2, exact2)])
     assert eu1 > 0.25 and eu2 > 0.25  # without permutation, half of each run is dropped
     assert ep1 < 0.1 and ep2 < 0.1
@@ -346,8 +346,8 @@ def test_token_permutation_rescues_runs_of_identical_tokens():
 @pytest.mark.parametrize("perm", [False, True])
 def test_toggling_reuse_forward_mask_changes_only_dx_and_dw1(perm):
     x, w1, w2, dy = _inputs()
-    a = _run(x, w1, w2, dy, Sparse24Recipe(perm, 0.05, True), seed=3)
-    b = _run(x, w1, w2, dy, Sparse24Recipe(perm, 0.05, False), seed=3)
+    a = _run(x, w1, w2, dy, SReLU24Recipe(perm, 0.05, True), seed=3)
+    b = _run(x, w1, w2, dy, SReLU24Recipe(perm, 0.05, False), seed=3)
     assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3])  # y, dW2
     assert rel_err(b[1], a[1]) > 0.01 and rel_err(b[2], a[2]) > 0.01  # dX, dW1
 
@@ -355,16 +355,16 @@ def test_toggling_reuse_forward_mask_changes_only_dx_and_dw1(perm):
 @pytest.mark.parametrize("perm", [False, True])
 def test_toggling_dense_feature_fraction_changes_only_weight_grads(perm):
     x, w1, w2, dy = _inputs()
-    a = _run(x, w1, w2, dy, Sparse24Recipe(perm, 0.0, True), seed=4)
-    b = _run(x, w1, w2, dy, Sparse24Recipe(perm, 0.25, True), seed=4)
+    a = _run(x, w1, w2, dy, SReLU24Recipe(perm, 0.0, True), seed=4)
+    b = _run(x, w1, w2, dy, SReLU24Recipe(perm, 0.25, True), seed=4)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # y, dX
     assert rel_err(b[2], a[2]) > 0.01 and rel_err(b[3], a[3]) > 0.01
 
 
 def test_toggling_token_permutation_changes_only_weight_grads():
     x, w1, w2, dy = _inputs()
-    a = _run(x, w1, w2, dy, Sparse24Recipe(False, 0.05, True), seed=5)
-    b = _run(x, w1, w2, dy, Sparse24Recipe(True, 0.05, True), seed=5)
+    a = _run(x, w1, w2, dy, SReLU24Recipe(False, 0.05, True), seed=5)
+    b = _run(x, w1, w2, dy, SReLU24Recipe(True, 0.05, True), seed=5)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert rel_err(b[2], a[2]) > 0.01 and rel_err(b[3], a[3]) > 0.01
 
@@ -374,7 +374,7 @@ def test_backward_with_3d_input_and_partial_token_group():
     x = randn(B, S, d, seed=40, dtype=torch.float32).requires_grad_()
     w1 = randn(Fd, d, seed=41, dtype=torch.float32).requires_grad_()
     w2 = randn(d, Fd, seed=42, dtype=torch.float32).requires_grad_()
-    y = srelu24_ffn(x, w1, w2, Sparse24Recipe(token_permutation=False, dense_feature_fraction=0.0))
+    y = srelu24_ffn(x, w1, w2, SReLU24Recipe(token_permutation=False, dense_feature_fraction=0.0))
     assert y.shape == (B, S, d)
     dy = randn(B, S, d, seed=43, dtype=torch.float32)
     y.backward(dy)
@@ -387,7 +387,7 @@ def test_backward_with_3d_input_and_partial_token_group():
 # ---------------------------------------------------------------- the SReLU24 module
 
 
-def _pair(d=32, h=64, seed=50, recipe=Sparse24Recipe()):
+def _pair(d=32, h=64, seed=50, recipe=SReLU24Recipe()):
     torch.manual_seed(seed)
     dense = SReLU(d, h).double()
     sp = SReLU24(d, h, recipe).double()
@@ -429,7 +429,7 @@ def test_srelu24_sparse_mode_feeds_w2_a_2to4_activation():
 
 
 def test_srelu24_sparse_mode_uses_its_recipe():
-    rec = Sparse24Recipe(token_permutation=False, dense_feature_fraction=0.0, reuse_forward_mask=False)
+    rec = SReLU24Recipe(token_permutation=False, dense_feature_fraction=0.0, reuse_forward_mask=False)
     _, sp = _pair(recipe=rec)
     sp.sparse = True
     x, dy = randn(8, 32, seed=54), randn(8, 32, seed=55)
@@ -453,36 +453,36 @@ def test_srelu24_warns_once_about_reference_path(monkeypatch):
         sp(x)  # no second warning
 
 
-def test_transformer_set_sparse24_flips_every_layer():
+def test_transformer_set_2to4_flips_every_layer():
     torch.manual_seed(0)
     cfg = ModelConfig(dim=32, n_layers=3, n_heads=4, swiglu_hidden=64, max_seq_len=32)
-    m = Transformer(cfg, FFNConfig(kind=FFNKind.srelu24), 50)
+    m = Transformer(cfg, FFNConfig(kind="srelu24"), 50)
     ffns = [layer.feed_forward for layer in m.layers]
     assert all(isinstance(f, SReLU24) for f in ffns) and len(ffns) == 3
     assert not any(f.sparse for f in ffns)  # dense warmup first
     tok = torch.randint(0, 50, (2, 12), generator=gen(1))
     dense_logits = m(tok)
-    m.set_sparse24(True)
+    m.set_2to4(True)
     assert all(f.sparse for f in ffns)
     sparse_logits = m(tok)
     assert rel_err(sparse_logits, dense_logits) > 1e-4
     loss = m(tok, torch.randint(0, 50, (2, 12), generator=gen(2)))
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in m.parameters())
-    m.set_sparse24(False)
+    m.set_2to4(False)
     assert not any(f.sparse for f in ffns)
     assert torch.equal(m(tok), dense_logits)
     # a no-op for the other FFNs
-    m2 = Transformer(cfg, FFNConfig(kind=FFNKind.srelu), 50)
+    m2 = Transformer(cfg, FFNConfig(kind="srelu"), 50)
     before = m2(tok)
-    m2.set_sparse24(True)
+    m2.set_2to4(True)
     assert torch.equal(m2(tok), before)
 
 
 def test_random_token_order_is_an_int32_permutation_from_the_cpu_generator():
     """Drawn on the host (a GPU randperm is a dozen sort launches per layer), reproducible from
     torch.manual_seed, on the device asked for."""
-    from model.sparse24 import random_token_order
+    from kernels.srelu24_reference import random_token_order
 
     torch.manual_seed(5)
     a = random_token_order(1000, "cpu")

@@ -6,26 +6,26 @@ import pytest
 import torch
 
 from helpers import run_train, tiny_overrides, write_corpus
-from model import FFNConfig, FFNKind, ModelConfig, Transformer
-from model.sparse24 import mask_2to4
-from model.stats import (DENSE_FEATURE_DENSITY, N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, derive,
-                         sparse24_sums)
+from model import FFN_REGISTRY, FFNConfig, ModelConfig, Transformer
+from kernels.srelu24_reference import mask_2to4
+from kernels.ffn_stats import (DENSE_FEATURE_DENSITY, N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, derive,
+                         srelu24_sums)
 from training.metrics import PEAK_BF16_TFLOPS, Throughput, peak_flops
 
 
 def test_dense_sums_on_a_known_tensor():
     a = torch.tensor([[0.0, 1.0, 0.0, 2.0], [0.0, 0.0, 0.0, 3.0]])
-    stats = derive(dense_activation_sums(a)[None], sparse24=False)
+    stats = derive(dense_activation_sums(a)[None], srelu24=False)
     assert stats == {"act_sparsity": [5 / 8]}
 
 
 def test_swiglu_threshold_counts_small_magnitudes():
     t = SWIGLU_ZERO_THRESHOLD
     a = torch.tensor([[t / 2, -t / 2, 2 * t, -3 * t]])
-    assert derive(dense_activation_sums(a, t)[None], sparse24=False)["act_sparsity"] == [0.5]
+    assert derive(dense_activation_sums(a, t)[None], srelu24=False)["act_sparsity"] == [0.5]
 
 
-def test_sparse24_sums_on_a_known_tensor():
+def test_srelu24_sums_on_a_known_tensor():
     # 4 tokens x 8 features; feature 0 is dense along tokens, the rest sparse
     a = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 5.0],
                       [4.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0],
@@ -33,7 +33,7 @@ def test_sparse24_sums_on_a_known_tensor():
                       [4.0, 1.0, 0.0, 0.0, 0.0, 2.0, 0.0, 0.0]])
     mask = mask_2to4(a)
     for sparse in (False, True):
-        s = derive(sparse24_sums(a, mask, dense_fraction=0.25, sparse=sparse)[None], sparse24=True)
+        s = derive(srelu24_sums(a, mask, dense_fraction=0.25, sparse=sparse)[None], srelu24=True)
         fed = a * mask if sparse else a
         assert s["act_sparsity"] == [pytest.approx((fed == 0).float().mean().item())]
         dropped = (a != 0) & ~mask
@@ -42,10 +42,10 @@ def test_sparse24_sums_on_a_known_tensor():
         density = (fed != 0).float().mean(0)
         assert s["dense_features"] == [pytest.approx((density > DENSE_FEATURE_DENSITY).float().mean().item())]
         assert s["split_density"] == [pytest.approx(density.sort(descending=True).values[1].item())]  # k = 2
-        assert s["sparse24"] == [float(sparse)]
+        assert s["mode_2to4"] == [float(sparse)]
     # by hand: 13 non-zeros; 2:4 drops the 2 and 1 of row 0's [4,3,2,1] and the third 1 of row 1's
     # [1,1,1,0] (ties go to the lower index)
-    s = derive(sparse24_sums(a, mask, 0.25, sparse=True)[None], sparse24=True)
+    s = derive(srelu24_sums(a, mask, 0.25, sparse=True)[None], srelu24=True)
     assert s["drop_nnz"] == [pytest.approx(3 / 13)]
     assert s["dense_features"] == [pytest.approx(1 / 8)]  # only feature 0 is above 50% density
 
@@ -53,11 +53,11 @@ def test_sparse24_sums_on_a_known_tensor():
 def test_derive_averages_over_passes_and_sums_counts():
     a = torch.relu(torch.randn(64, 32)) ** 2
     b = torch.relu(torch.randn(64, 32) - 1) ** 2
-    rows = sparse24_sums(a, mask_2to4(a), 0.05, True) + sparse24_sums(b, mask_2to4(b), 0.05, True)
-    s = derive(rows[None], sparse24=True)
+    rows = srelu24_sums(a, mask_2to4(a), 0.05, True) + srelu24_sums(b, mask_2to4(b), 0.05, True)
+    s = derive(rows[None], srelu24=True)
     both = torch.cat([a * mask_2to4(a), b * mask_2to4(b)])
     assert s["act_sparsity"] == [pytest.approx((both == 0).float().mean().item())]
-    assert s["sparse24"] == [1.0]
+    assert s["mode_2to4"] == [1.0]
 
 
 def test_counts_stay_exact_above_float32_integers():
@@ -66,7 +66,7 @@ def test_counts_stay_exact_above_float32_integers():
     assert derive(row[None], False)["act_sparsity"] == [(2**24 + 1) / (2**25 + 1)]
 
 
-@pytest.mark.parametrize("kind", list(FFNKind))
+@pytest.mark.parametrize("kind", list(FFN_REGISTRY))
 def test_model_collects_per_layer_stats_only_when_asked(kind):
     torch.manual_seed(0)
     m = Transformer(ModelConfig(dim=64, n_layers=3, n_heads=2, swiglu_hidden=128), FFNConfig(kind=kind), 100)
@@ -80,8 +80,8 @@ def test_model_collects_per_layer_stats_only_when_asked(kind):
     m(x, x).backward()
     for h in hooks:
         h.remove()
-    stats = derive(m.pop_ffn_stats(), kind == FFNKind.srelu24)
-    thr = SWIGLU_ZERO_THRESHOLD if kind == FFNKind.swiglu else 0.0
+    stats = derive(m.pop_ffn_stats(), kind == "srelu24")
+    thr = SWIGLU_ZERO_THRESHOLD if kind == "swiglu" else 0.0
     want = [(a.abs() <= thr).float().mean().item() for a in acts]
     assert stats["act_sparsity"] == pytest.approx(want)
     assert m.pop_ffn_stats().abs().sum() == 0  # popping resets
@@ -111,7 +111,7 @@ def test_offline_wandb_run_has_per_layer_keys(tmp_path):
     files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
     keys = history_keys(files[0])
-    for stat in ("act_sparsity", "drop_nnz", "drop_l2", "dense_features", "split_density", "sparse24"):
+    for stat in ("act_sparsity", "drop_nnz", "drop_l2", "dense_features", "split_density", "mode_2to4"):
         assert {f"{stat}/layer_00", f"{stat}/layer_01"} <= keys, stat
         assert f"charts/{stat}_table/_type" in keys  # the line-per-layer chart
     assert "charts/act_sparsity_heatmap/_type" in keys
@@ -120,7 +120,7 @@ def test_offline_wandb_run_has_per_layer_keys(tmp_path):
     assert info["group"] == "statstest" and info["job_type"] == "srelu24"
     assert {"model", "ffn", "trainer", "run_info"} <= info["config_keys"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["layers"]["sparse24"] for r in rows if "layers" in r][2:4] == [[0.0, 0.0], [1.0, 1.0]]
+    assert [r["layers"]["mode_2to4"] for r in rows if "layers" in r][2:4] == [[0.0, 0.0], [1.0, 1.0]]
     assert all(math.isfinite(v) for r in rows if "layers" in r for v in r["layers"]["drop_l2"])
 
 
@@ -128,11 +128,11 @@ def test_offline_wandb_run_has_per_layer_keys(tmp_path):
 @pytest.mark.parametrize("sparse", [False, True])
 def test_fused_sums_on_cuda_equal_the_eager_ones(sparse):
     """On CUDA the sums run through torch.compile: same numbers as the eager definition."""
-    from model.stats import _dense_sums, _sparse24_sums
+    from kernels.ffn_stats import _dense_sums, _srelu24_sums
 
     a = (torch.relu(torch.randn(4096, 1024, device="cuda") - 0.5) ** 2).bfloat16()
     mask = mask_2to4(a)
-    got = sparse24_sums(a, mask, 0.05, sparse)
-    want = _sparse24_sums(a, mask, 51, sparse)
+    got = srelu24_sums(a, mask, 0.05, sparse)
+    want = _srelu24_sums(a, mask, 51, sparse)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     torch.testing.assert_close(dense_activation_sums(a), _dense_sums(a, 0.0), rtol=0, atol=0)

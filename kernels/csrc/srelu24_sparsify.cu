@@ -1,8 +1,8 @@
 // The srelu24 FFN's sparsify passes in CUDA C++: the forward's srelu + 2:4 + compress, and the
 // backward's three sparse operands from one pass over Z and dA.
 //
-// Same contracts as the Triton kernels `_srelu_sparsify24_kernel` (kernels/sparsify24.py, counts
-// on, no statistics totals) and `_backward_operands_kernel` (kernels/sparsify24_backward.py, the
+// Same contracts as the Triton kernels `_srelu_sparsify_2to4_kernel` (kernels/srelu24_sparsify.py, counts
+// on, no statistics totals) and `_backward_operands_kernel` (kernels/srelu24_sparsify_backward.py, the
 // forward mask re-used), and bit-identical to them and to their PyTorch references for finite inputs
 // (where dA holds Inf or NaN, or Z is NaN, they may disagree: the kernels take max(z, 0), which drops
 // NaN, the Triton kernels' bf16 rounding turns NaN into -0.0, and this file's keys rank NaN highest):
@@ -12,10 +12,10 @@
 //             S(A24)^T and S(dZ)^T, 2:4 along tokens (tokens permuted), transposed; dense features
 //             zeroed there and written exactly to [k, Tp] buffers
 //
-// Why CUDA: the Triton backward kernel is instruction-bound (1.33 ms at 7B, T=16384, on the H200:
-// 82% SM issue, 24% DRAM). Both 2:4 metadata layouts pack nibbles of rows 8 apart and of groups 4
-// apart into one 16-bit word, so in Triton every word costs cross-thread reductions and layout
-// conversions (about 1,580 SASS instructions per warp per 32x64 tile). Here every thread owns whole
+// Why CUDA: the Triton backward kernel is instruction-bound (high SM issue, low DRAM throughput;
+// benchmarks/RESULTS.md). cuSPARSELt's 2:4 metadata layout packs nibbles of rows 8 apart and of
+// groups 4 apart into one 16-bit word, so in Triton every word costs cross-thread reductions and
+// layout conversions. Here every thread owns whole
 // metadata words, and the backward's tile moves once, through shared memory:
 //
 //   row pass     thread = 8 features (one 16-byte load) x 4 rows {a + 8b + 16c: b = 0, 1}, so a
@@ -26,7 +26,7 @@
 //                token-dimension operand: 4 whole metadata words, and 2 x 32 contiguous bytes of values
 //                (stored as whole 32-byte sectors together with the neighbouring lane).
 //
-// Build: make kernels (build/sp24_kernels.so); loaded by kernels/native.py through ctypes.
+// Build: make kernels (build/srelu24_kernels.so); loaded by kernels/native.py through ctypes.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -36,14 +36,14 @@ namespace {
 constexpr int kTok = 64;      // tokens per block: one 64-row band of dZ's operand, two 32-token chunks
 constexpr int kFeat = 64;     // features per block: one 64-row band of the token-dimension operands
 constexpr int kThreads = 128;
-#ifndef SP24_BW_MIN_BLOCKS
+#ifndef SRELU24_BW_MIN_BLOCKS
 // blocks per SM the backward kernel's register budget must allow: 8 (64 registers; with nvcc 13.0 no
-// spill on sm90, 16 bytes on sm80) ran 0.75 ms at 7B on the H200, against 0.77-1.1 ms for 6, 5 and 1
-// (scripts/probe_cuda_kernels.py)
-#define SP24_BW_MIN_BLOCKS 8
+// spill on sm90, 16 bytes on sm80) was the fastest of 8, 6, 5 and 1 at 7B on the H200
+// (lab/probe_cuda_kernels.py; benchmarks/RESULTS.md)
+#define SRELU24_BW_MIN_BLOCKS 8
 #endif
 
-// The 2:4 selection of one group (as kernels.sparsify24.top2_of_4): the 2 largest magnitudes win,
+// The 2:4 selection of one group (as kernels.srelu24_sparsify.top2_of_4): the 2 largest magnitudes win,
 // ties to the lower position. m0..m3 are magnitudes as bf16 bits without the sign (for finite values
 // their integer order is the float order); key = m << 2 | (3 - position) makes them distinct with
 // the tie-break built in, so the kept pair is the keys >= the second largest key.
@@ -126,7 +126,7 @@ __device__ __forceinline__ float relu_from_a24(uint32_t a_bits) {
 // FFN keeps 9/16 of Z's bytes for its backward; relu(z) comes back exactly (relu_from_a24) and the
 // kept positions are the forward's own.
 template <bool kFromA24>
-__global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operands_kernel(
+__global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_operands_kernel(
     const uint16_t* __restrict__ z, const uint16_t* __restrict__ a24m, const uint16_t* __restrict__ da,
     const int* __restrict__ order,
     const int* __restrict__ slots, uint16_t* __restrict__ dzv, uint16_t* __restrict__ dzm, uint16_t* __restrict__ av,
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, SP24_BW_MIN_BLOCKS) backward_operand
       out[g] = sel.pair(x[0], x[1], x[2], x[3]);
     }
     // lanes a and a ^ 1 write the two 16-byte halves of one 32-byte sector per store (ncu showed L2
-    // throughput at 82% with each half its own request; 0.67 vs 0.72 ms at 7B): the even lane's row
+    // throughput as the limit with each half its own request; faster at 7B): the even lane's row
     // first, then the odd's
     const bool odd = a & 1;
     uint32_t recv[4];
@@ -357,12 +357,12 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
 extern "C" {
 
 // Bumped whenever an exported signature changes; kernels/native.py checks it.
-int sp24_kernels_abi_version() { return 3; }
+int srelu24_kernels_abi_version() { return 3; }
 
 // z: [M, K] bf16 (row stride in elements); val/meta: A24's compressed values and metadata ([Mp, K]
 // with Mp = M padded to 64: padding rows as zeros); counts: [K] int32, zeroed by the caller. K % 64 ==
 // 0, the row stride % 8 == 0, pointers 16-byte aligned. bands: 64-row bands per block (>= 1).
-int sp24_srelu_sparsify(const void* z, void* val, void* meta, int* counts, int M, int Mp, int K, int64_t stride_z,
+int srelu24_sparsify(const void* z, void* val, void* meta, int* counts, int M, int Mp, int K, int64_t stride_z,
                         int bands, cudaStream_t stream) {
   if (Mp == 0 || K == 0) return 0;
   const int n_bands = Mp / kTok;
@@ -377,7 +377,7 @@ int sp24_srelu_sparsify(const void* z, void* val, void* meta, int* counts, int M
 // values/metadata of dZ's operand ([Tr, F] with Tr = T padded to 64), av/am and gv/gm those of
 // S(A24)^T and S(dZ)^T ([F, Tp], Tp = T padded to 32), afull/gfull [k, Tp]. F % 64 == 0, the row
 // strides % 8 == 0 and all pointers 16-byte aligned. Returns 0, or a cudaError_t of the launch.
-int sp24_backward_operands(const void* z, const void* da, const int* order, const int* slots, void* dzv, void* dzm,
+int srelu24_backward_operands(const void* z, const void* da, const int* order, const int* slots, void* dzv, void* dzm,
                            void* av, void* am, void* afull, void* gv, void* gm, void* gfull, int T, int Tp, int Tr,
                            int F, int64_t stride_z, int64_t stride_da, cudaStream_t stream) {
   if (Tr == 0 || F == 0) return 0;
@@ -392,7 +392,7 @@ int sp24_backward_operands(const void* z, const void* da, const int* order, cons
 // The same pass reading the forward's compressed A24 instead of Z: a24v/a24m its values [Tr, F/2] and
 // metadata (srelu_sparsify's output for these T rows, Tr = T padded to 64); the rest as above. Equal to
 // the pass over Z bit for bit wherever every positive z is in [1.1e-19, 1.8e19] (bf16(z^2) normal).
-int sp24_backward_operands_a24(const void* a24v, const void* a24m, const void* da, const int* order, const int* slots,
+int srelu24_backward_operands_a24(const void* a24v, const void* a24m, const void* da, const int* order, const int* slots,
                                void* dzv, void* dzm, void* av, void* am, void* afull, void* gv, void* gm, void* gfull,
                                int T, int Tp, int Tr, int F, int64_t stride_da, cudaStream_t stream) {
   if (Tr == 0 || F == 0) return 0;
