@@ -1,8 +1,8 @@
 """What the per-layer activation statistics cost: step time with and without collecting them,
 at an experiment's shapes (default the 1B ones), for each FFN variant, in one process.
 
-    python scripts/bench_stats.py --scale 1b --steps 20            # on a GPU
-    python scripts/bench_stats.py --scale 1b --no-compile
+    python lab/bench_stats.py --scale 1b --steps 20            # on a GPU
+    python lab/bench_stats.py --scale 1b --no-compile
 
 The trainer collects statistics on the logged step only, so with log_every=10 their cost per
 step is (t_on - t_off) / 10. Steps use random tokens (data loading is not what is measured),
@@ -66,7 +66,7 @@ def bench_variant(variant: str, args) -> dict:
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.ffn, cfg.model.vocab_size or cfg.data.vocab_size).to(device)
-    model.set_sparse24(variant == "srelu24")  # measure srelu24 in its 2:4 phase
+    model.set_2to4(variant == "srelu24")  # measure srelu24 in its 2:4 phase
     opt = build_optimizer(model, cfg.optim, device)
     forward = torch.compile(model) if args.compile else model
     B, S = cfg.trainer.micro_batch_size, cfg.trainer.seq_len

@@ -1,8 +1,8 @@
-"""Time the CUDA sparsify kernels (kernels/csrc/sp24_sparsify.cu) of several builds side by side,
+"""Time the CUDA sparsify kernels (kernels/csrc/srelu24_sparsify.cu) of several builds side by side,
 e.g. builds with other register budgets, each in its own process (the library loads once):
 
-    nvcc ... -DSP24_BW_MIN_BLOCKS=6 -shared kernels/csrc/sp24_sparsify.cu -o build/sp24_kernels_b6.so
-    python scripts/probe_cuda_kernels.py build/sp24_kernels.so build/sp24_kernels_b6.so
+    nvcc ... -DSRELU24_BW_MIN_BLOCKS=6 -shared kernels/csrc/srelu24_sparsify.cu -o build/srelu24_kernels_b6.so
+    python lab/probe_cuda_kernels.py build/srelu24_kernels.so build/srelu24_kernels_b6.so
 
 Per build and shape (7B and 1B, T=16384): the backward and forward kernels' median ms (triton
 do_bench), and whether the backward's output equals the Triton kernel's bit for bit.
@@ -23,9 +23,9 @@ def measure() -> dict:
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from kernels.sparsify24 import srelu_sparsify24
-    from kernels.sparsify24_backward import backward_operands
-    from model.sparse24 import densest_from_counts, random_token_order
+    from kernels.srelu24_sparsify import srelu_sparsify_2to4
+    from kernels.srelu24_sparsify_backward import backward_operands
+    from kernels.srelu24_reference import densest_from_counts, random_token_order
 
     out = {}
     for name, (d, f, t) in SHAPES.items():
@@ -34,14 +34,14 @@ def measure() -> dict:
         z = F.linear(torch.randn(t, d, device="cuda", dtype=bf), torch.randn(f, d, device="cuda", dtype=bf) * d ** -0.5)
         da = torch.randn(t, f, device="cuda", dtype=bf)
         perm = random_token_order(t, "cuda")
-        dense = densest_from_counts(srelu_sparsify24(z)[1], 0.05)
+        dense = densest_from_counts(srelu_sparsify_2to4(z)[1], 0.05)
         flat = lambda r: [r[0]] + [x for p in r[1:] for x in p]  # noqa: E731
         same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(
             flat(backward_operands(z, da, perm, dense, backend="cuda")),
             flat(backward_operands(z, da, perm, dense, backend="triton"))))
         bench = lambda fn: do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
         out[name] = {"bw_ms": bench(lambda: backward_operands(z, da, perm, dense, backend="cuda")),
-                     "fw_ms": bench(lambda: srelu_sparsify24(z, backend="cuda")), "bw_equals_triton": same}
+                     "fw_ms": bench(lambda: srelu_sparsify_2to4(z, backend="cuda")), "bw_equals_triton": same}
     return out
 
 
@@ -51,7 +51,7 @@ def main() -> int:
         return 0
     rows = {}
     for lib in sys.argv[1:]:
-        env = dict(os.environ, SP24_KERNELS_LIB=str(Path(lib).resolve()))
+        env = dict(os.environ, SRELU24_KERNELS_LIB=str(Path(lib).resolve()))
         res = subprocess.run([sys.executable, __file__, "--measure"], env=env, capture_output=True, text=True)
         if res.returncode:
             print(f"{lib}: failed\n{res.stderr[-2000:]}")

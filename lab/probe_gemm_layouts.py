@@ -2,7 +2,7 @@
 each of the backward's three sparse GEMMs with B as the FFN passes it (row-major) and as the
 transpose of a row-major copy, plus the cost of making that copy (median ms, triton do_bench).
 
-    python scripts/probe_gemm_layouts.py [--d 4096 --f 16384 --t 16384]
+    python lab/probe_gemm_layouts.py [--d 4096 --f 16384 --t 16384]
 """
 import argparse
 import json
@@ -15,10 +15,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels.sparsify24 import srelu_sparsify24  # noqa: E402
-from kernels.sparsify24_backward import backward_operands  # noqa: E402
+from kernels.srelu24_sparsify import srelu_sparsify_2to4  # noqa: E402
+from kernels.srelu24_sparsify_backward import backward_operands  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm  # noqa: E402
-from model.sparse24 import densest_from_counts, random_token_order  # noqa: E402
+from kernels.srelu24_reference import densest_from_counts, random_token_order  # noqa: E402
 
 
 def main() -> int:
@@ -33,7 +33,7 @@ def main() -> int:
     w2 = torch.randn(a.d, a.f, device="cuda", dtype=bf) * a.f ** -0.5
     dy = torch.randn(a.t, a.d, device="cuda", dtype=bf)
     z = F.linear(x, w1)
-    _, counts = srelu_sparsify24(z)
+    _, counts = srelu_sparsify_2to4(z)
     perm = random_token_order(a.t, "cuda")
     dzb, (s_a, _), (s_dz, _) = backward_operands(z, dy @ w2, perm, densest_from_counts(counts, 0.05))
     x_p, dy_p = x[perm], dy[perm]

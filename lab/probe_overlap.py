@@ -1,6 +1,6 @@
 """Can the srelu24 backward's small operations hide under its GEMMs on a second CUDA stream?
 
-    python scripts/probe_overlap.py --out overlap.json
+    python lab/probe_overlap.py --out overlap.json
 
 At 7B, T=16384 (median ms, triton do_bench), for each GEMM of the FFN that the small work could
 run beside: the GEMM alone, the GEMM followed by the work on the same stream, and the work on a
@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels.sparsify24 import srelu_sparsify24  # noqa: E402
-from kernels.sparsify24_backward import backward_operands, dense_slots  # noqa: E402
+from kernels.srelu24_sparsify import srelu_sparsify_2to4  # noqa: E402
+from kernels.srelu24_sparsify_backward import backward_operands, dense_slots  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm  # noqa: E402
-from model.sparse24 import densest_from_counts, random_token_order  # noqa: E402
+from kernels.srelu24_reference import densest_from_counts, random_token_order  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def main() -> int:
     (D, Fh), T = SHAPES["7B"], 16384
     x, dy, w1, w2 = ffn_inputs(D, Fh, T)
     z = x @ w1.t()
-    buf, counts = srelu_sparsify24(z)
+    buf, counts = srelu_sparsify_2to4(z)
     da = dy @ w2
     perm = random_token_order(T, "cuda")
     dense = densest_from_counts(counts, 0.05)

@@ -1,7 +1,7 @@
 """Every cuSPARSELt algorithm id for the four sparse GEMMs of the srelu24 FFN, timed in a sustained
 loop (the H200 runs these at its power cap, not at the clock of a short search):
 
-    python scripts/probe_sparse_algs.py --shape 7B --tokens 16384 --out algs.json
+    python lab/probe_sparse_algs.py --shape 7B --tokens 16384 --out algs.json
 
 Per GEMM: the id that kernels/srelu24_ffn.sparse_mm picks (torch's mm_search), and per id the
 median ms (triton do_bench, 300 ms) and the relative difference of its product from id 0's.
@@ -19,10 +19,10 @@ import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels.cusparselt import cached_mm  # noqa: E402
-from kernels.sparsify24 import srelu_sparsify24  # noqa: E402
-from kernels.sparsify24_backward import backward_operands, padded_tokens  # noqa: E402
+from kernels.srelu24_sparsify import srelu_sparsify_2to4  # noqa: E402
+from kernels.srelu24_sparsify_backward import backward_operands, padded_tokens  # noqa: E402
 from kernels.srelu24_ffn import _ALG, sparse_mm  # noqa: E402
-from model.sparse24 import densest_from_counts, random_token_order  # noqa: E402
+from kernels.srelu24_reference import densest_from_counts, random_token_order  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main() -> int:
     (D, Fh), T = SHAPES[args.shape], args.tokens
     x, dy, w1, w2 = ffn_inputs(D, Fh, T)
     z = x @ w1.t()
-    buf, counts = srelu_sparsify24(z)
+    buf, counts = srelu_sparsify_2to4(z)
     perm = random_token_order(T, "cuda")
     dzb, (s_a, _), (s_dz, _) = backward_operands(z, dy @ w2, perm, densest_from_counts(counts, 0.05))
     Tp = padded_tokens(T)

@@ -1,6 +1,6 @@
 """Where one FFN fw+bw spends its GPU time, kernel by kernel, from a torch.profiler trace:
 
-    python scripts/probe_timeline.py --shape 7B --tokens 16384 --out timeline.json
+    python lab/probe_timeline.py --shape 7B --tokens 16384 --out timeline.json
 
 For dense srelu (eager) and srelu24: several fw+bw calls back to back (as do_bench and training
 run them), split into calls by a marker kernel. Per call: the span from its first kernel's start
@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels.srelu24_ffn import srelu24_ffn_kernels  # noqa: E402
-from model.sparse24 import Sparse24Recipe  # noqa: E402
+from kernels.srelu24_reference import SReLU24Recipe  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 from training.gpu_clocks import clocks_during  # noqa: E402
 
@@ -81,7 +81,7 @@ def main() -> int:
     torch.manual_seed(0)
     T = args.tokens
     x, gy, w1, w2 = ffn_inputs(*SHAPES[args.shape], T, requires_grad=True)
-    recipe = Sparse24Recipe()
+    recipe = SReLU24Recipe()
     variants = {"dense_eager": lambda: F.linear(F.relu(F.linear(x, w1)).square(), w2),
                 "srelu24": lambda: srelu24_ffn_kernels(x, w1, w2, recipe)}
     result = {"shape": args.shape, "T": T, "device": torch.cuda.get_device_name()}
