@@ -100,8 +100,8 @@ def test_sampler_picks_this_processes_gpu_by_uuid(nvml, monkeypatch):
 def test_energy_during_counts_calls_and_joules_per_call(nvml, monkeypatch):
     monkeypatch.setattr("torch.cuda.synchronize", lambda *a: None)
     monkeypatch.setattr(gpu_clocks, "nvml_uuid", lambda device: None)
-    r = energy_during(lambda: time.sleep(0.01), seconds=0.3, device="cuda:0")
-    assert r["calls"] >= 10 and r["ms_per_call"] == pytest.approx(1e3 * 0.3 / r["calls"], rel=0.2)
+    r = energy_during(lambda: time.sleep(0.001), seconds=0.3, device="cuda:0", warmup_s=0.05)
+    assert r["calls"] >= 100 and r["calls"] % 10 == 0 and r["ms_per_call"] == pytest.approx(1e3 * 0.3 / r["calls"], rel=0.2)
     assert r["mj_per_call"] == pytest.approx(700 * r["ms_per_call"], rel=0.1)  # 700 W x seconds per call
     assert r["power_w_from_energy"] == pytest.approx(700, rel=0.1)
 

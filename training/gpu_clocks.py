@@ -149,25 +149,32 @@ def summarise(rows: list, error: str | None = None) -> dict:
             "throttle_reasons": sorted({r[3] for r in rows})}
 
 
-def energy_during(fn, seconds: float, device=None) -> dict:
-    """fn back to back for `seconds` (then a synchronisation): the clock summary, the calls, and
-    ms and mJ per call from the energy counter (NVML updates it every ~20-100 ms: loops of a
-    few seconds make that rounding negligible)."""
+def energy_during(fn, seconds: float, device=None, warmup_s: float = 0.5) -> dict:
+    """fn back to back for `seconds`, after `warmup_s` of the same (the power limiter settles in
+    well under that): the clock summary, the calls, and ms and mJ per call from the energy
+    counter (NVML updates it every ~20-100 ms: loops of a few seconds make that rounding
+    negligible). It synchronises every 10 calls, so that the host never queues far past the
+    window."""
     import torch
 
+    def run(window: float) -> tuple[int, float]:
+        torch.cuda.synchronize()
+        t0, calls = time.perf_counter(), 0
+        while time.perf_counter() - t0 < window:
+            for _ in range(10):
+                fn()
+            calls += 10
+            torch.cuda.synchronize()
+        return calls, time.perf_counter() - t0
+
+    run(warmup_s)
     with ClockSampler(device if device is not None else torch.cuda.current_device(), interval_ms=50) as s:
-        torch.cuda.synchronize()
-        e0, t0, calls = s.energy_mj() if s.handle is not None else None, time.perf_counter(), 0
-        while time.perf_counter() - t0 < seconds:
-            fn()
-            calls += 1
-        torch.cuda.synchronize()
-        wall, e1 = time.perf_counter() - t0, s.energy_mj() if s.handle is not None else None
+        e0 = s.energy_mj() if s.handle is not None else None
+        calls, wall = run(seconds)
+        e1 = s.energy_mj() if s.handle is not None else None
     out = {**s.summary(), "calls": calls, "ms_per_call": 1e3 * wall / calls}
     if e0 is not None and e1 is not None:
         out["mj_per_call"] = (e1 - e0) / calls
         out["power_w_from_energy"] = (e1 - e0) / 1e3 / wall
     return out
 
-
-clocks_during = energy_during  # the benchmarks' name for it
