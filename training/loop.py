@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from data.errors import DataError
 from data.loader import TokenLoader
 from data.shards import prepare
-from model import FFNKind, Transformer, ffn_hidden_dim, model_size
-from model.stats import derive
+from model import Transformer, ffn_hidden_dim, model_size
+from kernels.ffn_stats import derive
 
 from .checkpoint import (check_model_shape, find_resume_checkpoint, load_into, load_rank_state, model_shape,
                          rng_state, save_checkpoint, set_rng_state)
@@ -112,7 +112,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
         if d.is_main:
             (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
             (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-        logger = RunLogger(run_dir, cfg.logging.wandb, name=run_name, group=cfg.name, job_type=cfg.ffn.kind.value,
+        logger = RunLogger(run_dir, cfg.logging.wandb, name=run_name, group=cfg.name, job_type=cfg.ffn.kind,
                            config={**resolved, "run_info": info}, resumed=state.step > 0, rank=d.rank)
     except Exception as e:  # noqa: BLE001 - shared below, then raised on every rank
         err = f"could not start the run's logs in {run_dir}: {type(e).__name__}: {e}"
@@ -122,7 +122,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             logger.close()
         raise TrainingError(err)
 
-    is_sparse = cfg.ffn.kind == FFNKind.srelu24
+    is_sparse = cfg.ffn.kind == "srelu24"
     parts = StepParts(model=model, train_module=train_module, optimizer=optimizer, dist=d, accum=accum,
                       tokens_per_step=tokens_per_step, lr_at=lambda step: lr_at(step, steps, cfg.optim),
                       grad_clip=cfg.optim.grad_clip, sparse_from=cfg.ffn.dense_warmup_steps if is_sparse else None,
@@ -160,7 +160,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     stop = StopSignal()  # SIGTERM / SIGUSR1 / SIGUSR2 (preemption): checkpoint at the next step boundary, exit 0
     try:
         bar = tqdm(total=steps, initial=state.step, disable=not (t.progress and d.is_main),
-                   desc=f"{cfg.name}/{cfg.ffn.kind.value}", unit="step", dynamic_ncols=True)
+                   desc=f"{cfg.name}/{cfg.ffn.kind}", unit="step", dynamic_ncols=True)
         while state.step < steps:
             done = state.step + 1
             log_now = done % t.log_every == 0 or done == steps
@@ -174,7 +174,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             if log_now:  # the step read back the loss and statistics of all ranks
                 train_loss = out.loss
                 row.update(loss=train_loss, lr=out.lr, grad_norm=out.grad_norm, **meter.read(),
-                           sparse24=int(out.sparse_on), skipped_steps=state.skipped_steps)
+                           mode_2to4=int(out.sparse_on), skipped_steps=state.skipped_steps)
                 row["layers"] = derive(out.stats, is_sparse)
                 row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
                 bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
@@ -289,7 +289,7 @@ def dry_run(cfg: Config) -> dict:
     s = model_size(model, cfg.trainer.seq_len)
     steps = total_steps(cfg.trainer)
     tokens = steps * cfg.trainer.batch_size * cfg.trainer.seq_len
-    rows = [("model", f"{cfg.model.name}, ffn={cfg.ffn.kind.value} (hidden {ffn_hidden_dim(cfg.model, cfg.ffn)})"),
+    rows = [("model", f"{cfg.model.name}, ffn={cfg.ffn.kind} (hidden {ffn_hidden_dim(cfg.model, cfg.ffn)})"),
             ("vocabulary", f"{vocab}" + ("" if cfg.model.vocab_size else " (data.vocab_size)")),
             ("parameters, total", f"{s.total:,}"),
             ("parameters, non-embedding", f"{s.non_embedding:,}"),

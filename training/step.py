@@ -62,7 +62,7 @@ class StepResult:
     data_s: float                 # host time spent getting batches
     loss: Optional[float] = None  # logged steps: mean over micro-batches and ranks
     grad_norm: Optional[float] = None
-    stats: Optional[Tensor] = None  # logged steps: FFN statistics summed over ranks (model/stats derive)
+    stats: Optional[Tensor] = None  # logged steps: FFN statistics summed over ranks (kernels/ffn_stats.py derive)
 
 
 def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
@@ -75,7 +75,7 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
     mark = mark or (lambda phase: None)
     model, d, step = p.model, p.dist, state.step
     sparse_on = p.sparse_from is not None and step >= p.sparse_from
-    model.set_sparse24(sparse_on)
+    model.set_2to4(sparse_on)
     model.collect_ffn_stats(log)  # statistics of the logged step only: free on the others
     lr = p.lr_at(step)
     for group in p.optimizer.param_groups:
