@@ -111,9 +111,28 @@ def test_wrong_type_fails_at_start():
     assert "trainer.seq_len" in line and "Integer" in line
 
 
-def test_bad_enum_value_lists_valid_values():
+def test_bad_ffn_kind_lists_valid_kinds():
     line = one_error_line(run_train(["ffn.kind=gelu", "trainer.dry_run=true"]))
     assert "[swiglu, srelu, srelu24]" in line
+
+
+def test_ffn_yaml_with_an_unknown_kind_fails_with_one_line(tmp_path, capsys):
+    """A configs/ffn/*.yaml whose kind no class registered: one line at start-up, naming the kinds."""
+    import shutil
+
+    from helpers import ROOT
+    from training.cli import check_overrides
+    from training.config import register_configs
+
+    register_configs()
+    configs = tmp_path / "configs"
+    shutil.copytree(ROOT / "configs", configs)
+    (configs / "ffn" / "gelu.yaml").write_text("kind: gelu\n")
+    with pytest.raises(SystemExit) as e:
+        check_overrides(configs, ["ffn=gelu", "trainer.dry_run=true"])
+    assert e.value.code == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "ffn.kind=gelu" in lines[0] and "[swiglu, srelu, srelu24]" in lines[0], lines
 
 
 def test_unknown_experiment_lists_experiments():

@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim, model_size
-from model.ffn import SReLU, SReLU24, SwiGLU, build_ffn
 from kernels.srelu24_reference import SReLU24Recipe
+from model import FFN_REGISTRY, FFNConfig, ModelConfig, Transformer, ffn_hidden_dim, model_size, register_ffn
+from model.ffn import FFN, SReLU, SReLU24, SwiGLU, build_ffn
 from model.transformer import HF_NAMES, Attention, RMSNorm, apply_rope, rope_tables
 
 pytestmark = pytest.mark.filterwarnings("ignore:srelu24. using the pure-PyTorch")
@@ -142,6 +142,52 @@ def test_build_ffn_rejects_unknown_kind_and_bad_srelu24_hidden():
         build_ffn(FFNConfig(kind="gelu"), 16, 32)
     with pytest.raises(ValueError):
         build_ffn(FFNConfig(kind="srelu24"), 16, 30)
+
+
+def test_unknown_ffn_kind_is_one_line_naming_the_registered_kinds():
+    with pytest.raises(ValueError) as e:
+        FFNConfig(kind="gelu")
+    assert str(e.value) == "ffn.kind=gelu is not a registered FFN; valid kinds: [swiglu, srelu, srelu24]"
+    assert list(FFN_REGISTRY) == KINDS
+
+
+def test_a_new_ffn_is_its_class_and_registration():
+    """What adding a variant takes in Python: the class, registered. The model builds it by name,
+    sizes it by its default_hidden, and initialises its declared residual projection with the
+    residual std (the other FFN weights with init_std), whatever the weights are called."""
+    @register_ffn("relu_test")
+    class ReLUFFN(FFN):
+        def __init__(self, dim, hidden):
+            super().__init__()
+            self.up = nn.Linear(dim, hidden, bias=False)
+            self.down = nn.Linear(hidden, dim, bias=False)
+
+        @staticmethod
+        def default_hidden(swiglu_hidden):
+            return 2 * swiglu_hidden
+
+        def residual_projections(self):
+            return [self.down.weight]
+
+        def forward(self, x):
+            return self.down(F.relu(self.up(x)))
+
+    try:
+        cfg = small_cfg(dim=256, swiglu_hidden=512, n_layers=8, init_std=0.02)
+        ffn = FFNConfig(kind="relu_test")
+        assert ffn_hidden_dim(cfg, ffn) == 1024
+        torch.manual_seed(0)
+        m = Transformer(cfg, ffn, 50)
+        f = m.layers[0].feed_forward
+        assert type(f) is ReLUFFN and f.up.weight.shape == (1024, 256)
+        assert f.up.weight.std().item() == pytest.approx(0.02, rel=0.05)
+        assert f.down.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+        m.set_2to4(True)  # a no-op for a dense variant
+        assert m(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 50)
+        with pytest.raises(ValueError, match="registered twice"):
+            register_ffn("relu_test")(ReLUFFN)
+    finally:
+        del FFN_REGISTRY["relu_test"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
