@@ -9,10 +9,9 @@ both). The small work is either the index work (token permutation, dense-feature
 slots, inverse permutation) or the row gathers of dY and X. A GEMM that holds every SM for its
 whole length (a persistent kernel) leaves the side stream nothing until its tail.
 
-Session 6 put both beside their GEMMs in the FFN's backward (high priority, 0.03-0.07 ms each
-here) and took it out again: over five alternating fw+bw measurements at 7B, T=16384 the FFN
-was no faster with it (median 17.20 ms on, 17.01 off; each spread 0.6-0.8 ms), while a second
-stream and the allocator's cross-stream bookkeeping are a risk in training (benchmarks/RESULTS.md).
+Both were once put beside their GEMMs in the FFN's backward (high priority) and taken out again:
+the whole FFN was not measurably faster with them, while a second stream and the allocator's
+cross-stream bookkeeping are a risk in training (the figures: lab/LOG.md, the side-stream entry).
 """
 import argparse
 import json
