@@ -51,7 +51,7 @@ def test_training_runs_and_learns(tmp_path, corpus, cache, ffn):
     assert (run / "config_resolved.yaml").is_file() and (run / "run_info.json").is_file()
     assert [m["tokens"] for m in rows if "loss" in m][:2] == [8 * 32, 16 * 32]
     if ffn == "srelu24":  # dense for the warmup steps, 2:4 after
-        assert [m["sparse24"] for m in rows if "loss" in m] == [0] * 4 + [1] * 8
+        assert [m["mode_2to4"] for m in rows if "loss" in m] == [0] * 4 + [1] * 8
 
 
 @pytest.mark.parametrize("ffn", ["swiglu", "srelu24"])

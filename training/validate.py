@@ -1,7 +1,8 @@
 """Checks that need more than a type: each failure names the setting and what would be valid."""
 from pathlib import Path
 
-from model.config import SPARSE24_HIDDEN_MULTIPLE, FFNKind, ModelConfig, ffn_hidden_dim
+from model.config import ModelConfig, ffn_hidden_dim
+from model.ffn import ffn_class
 
 from .config import Config, TrainerConfig
 from .errors import ConfigError
@@ -10,11 +11,11 @@ from .errors import ConfigError
 def validate(cfg: Config, world_size: int = 1) -> None:
     m, f, t = cfg.model, cfg.ffn, cfg.trainer
     hidden = ffn_hidden_dim(m, f)
-    if f.kind == FFNKind.srelu24 and hidden % SPARSE24_HIDDEN_MULTIPLE:
-        q = SPARSE24_HIDDEN_MULTIPLE
+    q = ffn_class(f.kind).hidden_multiple  # srelu24: the 2:4 sparse GEMM layout
+    if hidden % q:
         lo, hi = hidden // q * q, (hidden // q + 1) * q
-        raise ConfigError(f"ffn=srelu24 needs a hidden size that is a multiple of {q} (the 2:4 sparse GEMM "
-                          f"layout), got {hidden}; set ffn.hidden_dim={lo or hi} or {hi}")
+        raise ConfigError(f"ffn={f.kind} needs a hidden size that is a multiple of {q}, got {hidden}; "
+                          f"set ffn.hidden_dim={lo or hi} or {hi}")
     if hidden <= 0:
         raise ConfigError(f"the FFN hidden size must be positive, got {hidden} (ffn.hidden_dim / model.swiglu_hidden)")
     if m.dim % m.n_heads:
