@@ -26,7 +26,7 @@ from triton.testing import do_bench  # noqa: E402
 from kernels.srelu24_ffn import srelu24_ffn_kernels  # noqa: E402
 from kernels.srelu24_reference import SReLU24Recipe  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
-from training.gpu_clocks import clocks_during  # noqa: E402
+from training.gpu_clocks import energy_during  # noqa: E402
 
 MARKER = "spin"  # torch.cuda._sleep's kernel name contains it
 
@@ -110,7 +110,7 @@ def main() -> int:
         med = lambda k: sorted(s[k] for s in sums)[len(sums) // 2]  # noqa: E731
         result[name] = {"do_bench_ms": do_bench(run, warmup=25, rep=200, return_mode="median"),
                         "profiled_span_ms": med("span_ms"), "profiled_busy_ms": med("busy_ms"),
-                        "profiled_idle_ms": med("idle_ms"), "clocks_under_do_bench": clocks_during(run, 3.0),
+                        "profiled_idle_ms": med("idle_ms"), "clocks_under_do_bench": energy_during(run, 3.0),
                         "one_call": sums[len(sums) // 2]}
         r = result[name]
         print(f"{name}: do_bench {r['do_bench_ms']:.3f} ms; profiled call span {r['profiled_span_ms']:.3f}, kernels "

@@ -31,7 +31,7 @@ from kernels.srelu24_sparsify import cuda_usable as sparsify_cuda_usable  # noqa
 from kernels.srelu24_sparsify import padded_rows, srelu_sparsify_2to4, srelu_sparsify_2to4_reference  # noqa: E402
 from kernels.srelu24_reference import mask_2to4  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs, swiglu_weights  # noqa: E402
-from training.gpu_clocks import clocks_during  # noqa: E402
+from training.gpu_clocks import energy_during  # noqa: E402
 from training.logger import environment  # noqa: E402
 
 BF = torch.bfloat16
@@ -116,7 +116,7 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled, density=None, clocks
     r = {"shape": name, "T": T, "density": density}
     r.update({f"fwbw_{v}_ms": bench(run) for v, run in runs.items()})
     if clocks:  # each variant for 2 s more, back to back as do_bench runs it
-        r["clocks"] = {v: clocks_during(run, 2.0) for v, run in runs.items()}
+        r["clocks"] = {v: energy_during(run, 2.0) for v, run in runs.items()}
     r["fwbw_speedup_vs_eager"] = r["fwbw_dense_eager_ms"] / r["fwbw_srelu24_ms"]
     r["fwbw_speedup_vs_compiled"] = r["fwbw_dense_compiled_ms"] / r["fwbw_srelu24_ms"]
     return r
