@@ -73,6 +73,8 @@ def test_sampler_streams_medians_and_joules_per_interval(nvml):
     for interval in (first, second):  # 700 W over ~0.3 s each
         assert interval["energy_j"] == pytest.approx(0.3 * 700, rel=0.3)
     whole = s.summary()
+    time.sleep(0.2)
+    assert s.summary()["energy_j"] == whole["energy_j"]  # stopped: later work is not counted
     assert whole["samples"] >= first["samples"] + second["samples"] and "error" not in whole
     assert whole["energy_j"] >= first["energy_j"] + second["energy_j"] - 1
     assert s.thread is None and nvml.handles == [("index", 0)]  # stopped; no device given: GPU 0

@@ -58,7 +58,7 @@ class ClockSampler:
         self.interval_ms, self.uuid = interval_ms, nvml_uuid(device)
         self.nvml = self.handle = self.thread = self.error = None
         self.rows, self.fresh = [], []
-        self.energy0 = self.energy_take = None  # mJ at start / at the last take()
+        self.energy0 = self.energy_take = self.energy_end = None  # mJ at start / the last take() / stop()
         self.lock, self.halt = threading.Lock(), threading.Event()
 
     def start(self) -> "ClockSampler":
@@ -107,6 +107,7 @@ class ClockSampler:
         self.halt.set()
         self.thread.join()
         self.thread = None
+        self.energy_end = self.energy_mj()  # summary() after the block covers the block only
         if not self.rows and self.error is None:
             self.error = "no samples (the block ran shorter than one NVML reading?)"
 
@@ -129,11 +130,11 @@ class ClockSampler:
         return out
 
     def summary(self) -> dict:
-        """Medians of every sample so far, and the joules since the start."""
+        """Medians of every sample so far, and the joules since the start (until stop(), if stopped)."""
         with self.lock:
             rows = list(self.rows)
         out = summarise(rows, self.error)
-        now = self.energy_mj() if self.handle is not None else None
+        now = self.energy_end if self.thread is None else self.energy_mj() if self.handle is not None else None
         if now is not None and self.energy0 is not None:
             out["energy_j"] = (now - self.energy0) / 1e3
         return out
