@@ -85,8 +85,46 @@ def random_token_order(T: int, device) -> Tensor:
     return perm.to(dev, non_blocking=True)
 
 
+def random_token_orders(T: int, n: int, device) -> Tensor:
+    """n random token orders and their inverses, [n, 2, T] int32 ([i, 0] the order, [i, 1] its
+    inverse): one per layer of a training step, for the model to permute the FFN's tokens where
+    they are produced and consumed (permute_rows). All drawn and inverted on the host (CPU
+    generator) and moved in one copy from pinned memory."""
+    dev = torch.device(device)
+    out = torch.empty(n, 2, T, dtype=torch.int32, pin_memory=dev.type == "cuda")
+    ar = torch.arange(T, dtype=torch.int32)
+    for i in range(n):
+        out[i, 0] = torch.randperm(T, dtype=torch.int32)
+        out[i, 1, out[i, 0].long()] = ar
+    return out.to(dev, non_blocking=True)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[order] whose gradient is g[inverse]: a gather both ways. Plain indexing would
+    back-propagate through an accumulating scatter; inside a compiled block both gathers fuse
+    into their neighbours (the norm before the FFN, the residual add after it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return g.index_select(0, inverse), None, None
+
+
+def permute_rows(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+    """Rows of x [T, ...] in `order` (inverse: the order's inverse permutation)."""
+    return _PermuteRows.apply(x, order, inverse)
+
+
 @dataclass(frozen=True)
 class SReLU24Recipe:
+    # True: the weight gradients' 2:4 along tokens sees the tokens in a random order. The FFN
+    # draws it in its backward, unless the model hands it tokens already permuted (the FFN then
+    # runs with this False: see model/transformer.py, Block)
     token_permutation: bool = True
     dense_feature_fraction: float = 0.05
     reuse_forward_mask: bool = True

@@ -10,6 +10,7 @@ configs/ffn/ (`kind: name`). A class declares what the rest of the model needs o
 - `set_2to4(active)`: switch 2:4 on or off (a no-op but for the 2:4 variants).
 Weight names follow Llama (w1 gate/in, w2 out, w3 up)."""
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -69,6 +70,11 @@ class FFN(nn.Module):
 
     def set_2to4(self, active: bool) -> None:
         """Dense variants have no 2:4 mode."""
+
+    def wants_token_order(self) -> bool:
+        """True: give forward(x, tokens_permuted=True) its tokens in a random order (the block
+        permutes them where they are produced and restores them where they are consumed)."""
+        return False
 
 
 SRELU_HIDDEN_MULTIPLE = 128
@@ -141,13 +147,19 @@ class SReLU24(SReLU):
     def set_2to4(self, active: bool) -> None:
         self.sparse = active
 
-    def forward(self, x: Tensor) -> Tensor:
+    def wants_token_order(self) -> bool:
+        # the recipe's token permutation, done by the block: the backward then needs no gathers
+        # of X and dY, nor of dX back to token order
+        return self.sparse and self.recipe.token_permutation
+
+    def forward(self, x: Tensor, tokens_permuted: bool = False) -> Tensor:
         if self.sparse:
             stats = self.stats if self.collect_stats else None
+            recipe = replace(self.recipe, token_permutation=False) if tokens_permuted else self.recipe
             if self.kernels and kernels_available(x):
-                return srelu24_ffn_kernels(x, self.w1.weight, self.w2.weight, self.recipe, stats)
+                return srelu24_ffn_kernels(x, self.w1.weight, self.w2.weight, recipe, stats)
             warn_reference_path_once()
-            return srelu24_ffn(x, self.w1.weight, self.w2.weight, self.recipe, stats)
+            return srelu24_ffn(x, self.w1.weight, self.w2.weight, recipe, stats)
         a = self.activation(x)
         if self.collect_stats:  # dense warmup: what 2:4 would drop
             d = a.detach()

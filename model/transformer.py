@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from kernels.srelu24_reference import permute_rows, random_token_orders
+
 from .config import FFNConfig, ModelConfig, ffn_hidden_dim
 from .ffn import build_ffn
 
@@ -120,9 +122,18 @@ class Block(nn.Module):
         self.feed_forward = build_ffn(ffn, cfg.dim, ffn_hidden_dim(cfg, ffn))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                kv: Optional[tuple[Tensor, Tensor]] = None, start_pos: int = 0) -> Tensor:
+                kv: Optional[tuple[Tensor, Tensor]] = None, start_pos: int = 0,
+                token_order: Optional[Tensor] = None) -> Tensor:
+        """token_order [2, B*S] (an order and its inverse): the FFN sees its tokens in that order.
+        The FFN acts on each token alone, so this is exact; the norm reads its rows in that
+        order and the residual add writes them back in token order (both gathers fuse there)."""
         x = x + self.attention(self.attention_norm(x), cos, sin, kv, start_pos)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if token_order is None:
+            return x + self.feed_forward(self.ffn_norm(x))
+        order, inverse = token_order[0], token_order[1]
+        rows = permute_rows(x.reshape(-1, x.shape[-1]), order, inverse)
+        y = self.feed_forward(self.ffn_norm(rows), tokens_permuted=True)
+        return x + permute_rows(y, inverse, order).view_as(x)
 
 
 def _init(p: Tensor, fill) -> None:
@@ -174,6 +185,15 @@ class Transformer(nn.Module):
             else:
                 _init(p, lambda t: nn.init.normal_(t, 0.0, std))
 
+    def token_orders(self, T: int, device) -> Optional[list]:
+        """One random token order per layer whose FFN wants one (srelu24's 2:4 phase), drawn at
+        once; None when no FFN does, or without gradients (the forward does not depend on it)."""
+        wants = [layer.feed_forward.wants_token_order() for layer in self.layers]
+        if not any(wants) or not torch.is_grad_enabled():
+            return None
+        drawn = iter(random_token_orders(T, sum(wants), device))
+        return [next(drawn) if w else None for w in wants]
+
     def set_2to4(self, active: bool) -> None:
         """Switch the srelu24 FFNs between the dense warmup and 2:4 (no-op for other FFNs)."""
         for layer in self.layers:
@@ -219,8 +239,12 @@ class Transformer(nn.Module):
             raise ValueError(f"positions up to {end} do not fit the cache of length {cache.max_len}")
         cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
         h = self.tok_embeddings(tokens)
+        orders = self.token_orders(tokens.numel(), tokens.device) if cache is None else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, (cache.k[i], cache.v[i]), start_pos)
+            if cache is not None:
+                h = layer(h, cos, sin, (cache.k[i], cache.v[i]), start_pos)
+            else:
+                h = layer(h, cos, sin, token_order=orders[i] if orders else None)
         if targets is None:
             return self.output(self.norm(h))
         return self.loss(h, targets)
