@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def check(M: int, K: int, shift: float) -> dict:
 
 
 RECIPE = SReLU24Recipe()  # the paper's: token permutation, 5% dense features, forward mask re-used
+# the FFN as the model runs it: the block permutes its tokens (fused into the norm and the residual add)
+MODEL_RECIPE = replace(RECIPE, token_permutation=False)
 
 
 def check_ffn(T: int, D: int, Fh: int) -> dict:
@@ -109,7 +112,7 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled, density=None, clocks
         return F.linear(F.silu(F.linear(x, a)) * F.linear(x, b), c)
 
     def sparse(x, w1, w2):
-        return srelu24_ffn_kernels(x, w1, w2, RECIPE)
+        return srelu24_ffn_kernels(x, w1, w2, MODEL_RECIPE)
 
     runs = {"dense_eager": fwbw(dense, x, [w1, w2], gy), "dense_compiled": fwbw(compiled, x, [w1, w2], gy),
             "swiglu": fwbw(swiglu, x, [g1, g3, g2], gy), "srelu24": fwbw(sparse, x, [w1, w2], gy)}
@@ -150,7 +153,8 @@ def srelu24_pieces(D: int, Fh: int, T: int, density=None) -> dict:
     z = F.linear(x, w1)
     buf, counts = srelu_sparsify_2to4(z)
     da = dy @ w2
-    perm = random_token_order(T, "cuda")
+    # the tokens come permuted by the model (model/transformer.py, Block): no order to draw here
+    perm = None
     dense = densest_from_counts(counts, RECIPE.dense_feature_fraction)
     from_a24 = a24_usable(z.device, Fh)  # the pass as the FFN runs it: over the forward's A24, or Z
 
@@ -159,19 +163,10 @@ def srelu24_pieces(D: int, Fh: int, T: int, density=None) -> dict:
 
     dzb, (s_a, a_d), (s_dz, dz_d) = one_pass()
     Tp = s_a.shape[1] * 16 // 9
-    dy_p, x_p = F.pad(dy[perm], (0, 0, 0, Tp - T)), F.pad(x[perm], (0, 0, 0, Tp - T))
-    dx_p = sparse_mm(dzb, w1)[:T]
+    dy_p, x_p = F.pad(dy, (0, 0, 0, Tp - T)), F.pad(x, (0, 0, 0, Tp - T))
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
     slots, _ = dense_slots(dense, Fh, "cuda")
     a_dense, dz_dense = a_d @ dy_p, dz_d @ x_p
-
-    def orders():
-        p = random_token_order(T, "cuda")
-        inv = torch.empty_like(p)
-        inv[p] = torch.arange(T, device="cuda", dtype=p.dtype)
-        return inv, densest_from_counts(counts, RECIPE.dense_feature_fraction)
-
-    inverse = orders()[0]
 
     parts = {
         "fw: Z = X W1^T (dense)": lambda: F.linear(x, w1),
@@ -181,14 +176,12 @@ def srelu24_pieces(D: int, Fh: int, T: int, density=None) -> dict:
         "bw: dZ, S(A24)^T, S(dZ)^T in one fused pass (" + (
             "CUDA, reads A24" if from_a24 else "CUDA, reads Z" if cuda_usable(z, da) else "Triton") + ")": one_pass,
         "bw: dX = dZ W1 (sparse)": lambda: sparse_mm(dzb, w1),
-        "bw: dX rows back to token order": lambda: dx_p.index_select(0, inverse),
-        "bw: permute dY and X": lambda: (dy[perm], x[perm]),
         "bw: dW2 (sparse), written as [d, F]": lambda: sparse_mm(s_a, dy_p, transpose_result=True),
         "bw: dW1 (sparse)": lambda: sparse_mm(s_dz, x_p),
         "bw: dense-feature GEMMs": lambda: (a_d @ dy_p, dz_d @ x_p),
         "bw: the dense features' columns of dW2 and rows of dW1": lambda: (
             write_dense_columns(dw2, slots, a_dense), write_dense_rows(dw1, dense, dz_dense)),
-        "bw: permutation, its inverse, feature sort": orders,
+        "bw: feature sort (the dense features)": lambda: densest_from_counts(counts, RECIPE.dense_feature_fraction),
     }
     return parts
 
@@ -253,7 +246,7 @@ def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
     out = {}
     for t, what in ((128, "host"), (T, "gpu")):
         x, gy, w1, w2 = ffn_inputs(D, Fh, t, requires_grad=True, density=density)
-        sparse = fwbw(lambda x, a, b: srelu24_ffn_kernels(x, a, b, RECIPE), x, [w1, w2], gy)
+        sparse = fwbw(lambda x, a, b: srelu24_ffn_kernels(x, a, b, MODEL_RECIPE), x, [w1, w2], gy)
         if what == "host":
             dense = fwbw(lambda x, a, b: F.linear(F.relu(F.linear(x, a)).square(), b), x, [w1, w2], gy)
             buf, _ = srelu_sparsify_2to4(F.linear(x, w1).detach())
