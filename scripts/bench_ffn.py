@@ -383,6 +383,8 @@ def main() -> int:
         return 0
     if args.density is not None and not 0.0 < args.density < 1.0:
         ap.error(f"--density is the fraction of positive pre-activations, in (0, 1); got {args.density}")
+    if bad := [n for n in args.shapes.split(",") if n not in SHAPES]:
+        ap.error(f"--shapes: unknown shape(s) {bad}; valid: {list(SHAPES)}")
     if not torch.cuda.is_available():
         print("error: bench_ffn.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@ from statistics import NormalDist
 
 import torch
 
-SHAPES = {"1B": (2048, 8192), "7B": (4096, 16384)}  # name -> (d, hidden F)
+# name -> (d, hidden F): the round shapes, and the model configs' srelu hidden sizes
+# (1.5x SwiGLU's, rounded to 128: configs/model/1b.yaml, 7b.yaml)
+SHAPES = {"1B": (2048, 8192), "7B": (4096, 16384), "1B-config": (2048, 8448), "7B-config": (4096, 16512)}
 
 
 def ffn_inputs(D: int, Fh: int, T: int, requires_grad: bool = False, density: float | None = None,
