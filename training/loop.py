@@ -164,7 +164,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
         while state.step < steps:
             done = state.step + 1
             log_now = done % t.log_every == 0 or done == steps
-            out = train_step(parts, state, next_batch, log=log_now, stop_requested=stop.requested is not None)
+            out = train_step(parts, state, next_batch, log=log_now, stop_requested=lambda: stop.requested is not None)
             stop_now = out.stop
             meter.data_time(out.data_s)
             meter.step()

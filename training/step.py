@@ -66,12 +66,14 @@ class StepResult:
 
 
 def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
-               log: bool = False, stop_requested: bool = False,
+               log: bool = False, stop_requested: Callable[[], bool] = lambda: False,
                mark: Optional[Callable[[str], None]] = None) -> StepResult:
     """One optimizer step from `state.step`; advances `state`. `next_batch` gives this rank's
     (x, y) micro-batch on the device. `log`: collect the FFN statistics and read the loss back
     (the only host syncs besides the non-finite check). `mark(phase)` is called after each
-    phase ("data", "forward", "backward" per micro-batch, "optimizer"), for the benchmark."""
+    phase ("data", "forward", "backward" per micro-batch, "optimizer"), for the benchmark.
+    `stop_requested()` is asked after the backward (a signal that came during the step still
+    stops after it), in the same all-reduce as the non-finite check."""
     mark = mark or (lambda phase: None)
     model, d, step = p.model, p.dist, state.step
     sparse_on = p.sparse_from is not None and step >= p.sparse_from
@@ -98,7 +100,7 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
     grad_norm = clip_grad_norm(p.params, p.grad_clip if p.grad_clip > 0 else math.inf)  # global over ranks
     # one small all-reduce per step, so that every rank skips (or stops) together; it reads the
     # gradient norm back: a host sync per step, before the optimizer
-    nonfinite, stop = agree([not torch.isfinite(grad_norm).item(), stop_requested], d)
+    nonfinite, stop = agree([not torch.isfinite(grad_norm).item(), stop_requested()], d)
     if not nonfinite:  # a NaN never reaches the weights
         p.optimizer.step()
     elif p.nonfinite == "stop":
