@@ -2,9 +2,9 @@
 step-time breakdown (data, forward, backward, optimizer), on one device or under torchrun.
 
     python scripts/bench_step.py +experiment=swiglu_1b                  # on a GPU
-    python scripts/bench_step.py +experiment=sparse_1b --ffn-sweep      # swiglu, srelu, srelu24 in one run
-    python scripts/bench_step.py +experiment=sparse_7b --layers 8       # 7B shapes, layers cut to fit one GPU
-    torchrun --nproc-per-node=2 scripts/bench_step.py +experiment=sparse_1b trainer.strategy=fsdp --ffn-sweep
+    python scripts/bench_step.py +experiment=srelu24_1b --ffn-sweep      # swiglu, srelu, srelu24 in one run
+    python scripts/bench_step.py +experiment=srelu24_7b --layers 8       # 7B shapes, layers cut to fit one GPU
+    torchrun --nproc-per-node=2 scripts/bench_step.py +experiment=srelu24_1b trainer.strategy=fsdp --ffn-sweep
 
 The model is built exactly as the trainer builds it (training/distributed.py: meta device,
 activation checkpointing, torch.compile per block, FSDP2 / DDP, bf16 as the trainer uses it).
@@ -310,7 +310,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.json")
     ap.add_argument("--replot", type=Path, metavar="JSON",
                     help="only redraw the kernel-category figure of a saved --profile result, next to it")
-    ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=sparse_1b")
+    ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=srelu24_1b")
     args = ap.parse_intermixed_args()  # Hydra overrides may come before or after the flags
     if args.replot:
         print(f"wrote {plot_kernels(args.replot)}")

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from data.errors import DataError  # noqa: E402
 from data.tokenizer import EOT, load_tokenizer, tokenizer_sha256  # noqa: E402
-from model import FFNConfig, FFNKind, ModelConfig, Transformer  # noqa: E402
+from model import FFNConfig, ModelConfig, Transformer  # noqa: E402
 from model.generate import generate  # noqa: E402
 from training.checkpoint import load_checkpoint  # noqa: E402
 from training.errors import CheckpointError  # noqa: E402
@@ -56,7 +56,6 @@ def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
         raise SampleError(f"checkpoint {path} holds no model/ffn config")
     mcfg = config_of(ModelConfig, config["model"])
     fcfg = config_of(FFNConfig, config["ffn"])
-    fcfg.kind = FFNKind(fcfg.kind)
     vocab = state.get("model_shape", {}).get("vocab_size") or state["model"]["tok_embeddings.weight"].shape[0]
     model = Transformer(mcfg, fcfg, vocab)
     model.load_state_dict(state["model"])
@@ -79,11 +78,11 @@ def find_tokenizer(ckpt: Path, given: Optional[str]) -> Path:
 def sparsity_note(model: Transformer, state: dict) -> str:
     """Switch srelu24's 2:4 on or off as training would continue from this step; say which."""
     ffn = model.ffn_cfg
-    if ffn.kind != FFNKind.srelu24:
+    if ffn.kind != "srelu24":
         return ""
     step = state.get("step", 0)
     on = step >= ffn.dense_warmup_steps
-    model.set_sparse24(on)
+    model.set_2to4(on)
     if on:
         return f"srelu24: 2:4 sparsity on (step {step} >= ffn.dense_warmup_steps={ffn.dense_warmup_steps})"
     return f"srelu24: dense, 2:4 off (step {step} < ffn.dense_warmup_steps={ffn.dense_warmup_steps})"
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
         seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
         gen = torch.Generator().manual_seed(seed)
 
-        note(f"checkpoint {ckpt} (step {state.get('step')}), {model.ffn_cfg.kind.value}, {a.device}, seed {seed}")
+        note(f"checkpoint {ckpt} (step {state.get('step')}), {model.ffn_cfg.kind}, {a.device}, seed {seed}")
         if msg := sparsity_note(model, state):
             note(msg)
         with warnings.catch_warnings():  # the CPU 2:4 reference path is expected here

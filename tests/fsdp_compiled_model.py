@@ -11,15 +11,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from model import FFNConfig, FFNKind, ModelConfig, Transformer  # noqa: E402
+from model import FFNConfig, ModelConfig, Transformer  # noqa: E402
 from training.config import Strategy, TrainerConfig  # noqa: E402
 from training.distributed import build_model, setup  # noqa: E402
 
 t = TrainerConfig(strategy=Strategy.fsdp, compile=True, device="cpu")
 d = setup(t)
 cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, swiglu_hidden=128, max_seq_len=32)
-model, step_module = build_model(lambda: Transformer(cfg, FFNConfig(kind=FFNKind.swiglu), 97), t, d, 0, False)
-ref = Transformer(cfg, FFNConfig(kind=FFNKind.swiglu), 97)
+model, step_module = build_model(lambda: Transformer(cfg, FFNConfig(kind="swiglu"), 97), t, d, 0, False)
+ref = Transformer(cfg, FFNConfig(kind="swiglu"), 97)
 torch.manual_seed(0)
 ref.reset_parameters()  # build_model's weights: the seed's whole tensors, whatever the sharding
 g = torch.Generator().manual_seed(d.rank)

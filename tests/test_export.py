@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from data.tokenizer import EOT, load_tokenizer
 from helpers import ROOT, run_train, tiny_overrides, write_corpus
-from model import FFNConfig, FFNKind, ModelConfig, Transformer
+from model import FFNConfig, ModelConfig, Transformer
 from model.ffn import SReLU24
 from training.checkpoint import load_checkpoint, model_shape, save_checkpoint
 from training.export import ExportError, export_checkpoint, from_hf_name, load_exported, model_from_checkpoint, to_hf_name
@@ -178,11 +178,11 @@ def test_srelu24_export_round_trips_bit_exact_in_2to4_mode(tmp_path, srelu24_ckp
     x = tokens(orig.vocab_size)
     with torch.no_grad():
         dense = orig(x)
-        orig.set_sparse24(True)
+        orig.set_2to4(True)
         sparse = orig(x)
         assert torch.equal(back(x), sparse)
         assert not torch.equal(sparse, dense)  # 2:4 mode is a different function: the flag matters
-        back.set_sparse24(False)
+        back.set_2to4(False)
         assert torch.equal(back(x), dense)
 
 
@@ -197,7 +197,7 @@ def test_bf16_export(tmp_path, srelu24_ckpt):
         assert torch.equal(weights[n], p.to(torch.bfloat16)), n
     back = load_exported(out)
     assert back.tok_embeddings.weight.dtype == torch.float32
-    orig.set_sparse24(True)
+    orig.set_2to4(True)
     x = tokens(orig.vocab_size)
     with torch.no_grad():
         assert 0 < rel_err(back(x), orig(x)) < 3e-2
@@ -206,7 +206,7 @@ def test_bf16_export(tmp_path, srelu24_ckpt):
 # ---------------------------------------------------------------- tied embeddings (synthetic checkpoints)
 
 
-def synthetic_checkpoint(run_dir: Path, kind: FFNKind, vocab=97) -> tuple[Path, Transformer]:
+def synthetic_checkpoint(run_dir: Path, kind: str, vocab=97) -> tuple[Path, Transformer]:
     mcfg = ModelConfig(name="t", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, swiglu_hidden=64, max_seq_len=32,
                        tie_embeddings=True)
     fcfg = FFNConfig(kind=kind, hidden_dim=64, kernels=False)
@@ -216,13 +216,13 @@ def synthetic_checkpoint(run_dir: Path, kind: FFNKind, vocab=97) -> tuple[Path, 
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.3 * torch.randn(p.shape))
-    config = {"model": asdict(mcfg), "ffn": {**asdict(fcfg), "kind": kind.value}}
+    config = {"model": asdict(mcfg), "ffn": {**asdict(fcfg), "kind": kind}}
     path = save_checkpoint(run_dir, 3, {"model": model.state_dict(), "model_shape": model_shape(model),
                                         "config": config})
     return path, model
 
 
-@pytest.mark.parametrize("kind", [FFNKind.swiglu, FFNKind.srelu])
+@pytest.mark.parametrize("kind", ["swiglu", "srelu"])
 def test_tied_embeddings(tmp_path, kind):
     ckpt, model = synthetic_checkpoint(tmp_path / "run", kind)
     info = export_checkpoint(ckpt, tmp_path / "out")
@@ -235,7 +235,7 @@ def test_tied_embeddings(tmp_path, kind):
         back = load_exported(tmp_path / "out")
         assert back.output.weight is back.tok_embeddings.weight
         assert torch.equal(back(x), want)
-        if kind == FFNKind.swiglu:
+        if kind == "swiglu":
             transformers = pytest.importorskip("transformers")
             hf, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
             assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -259,7 +259,7 @@ def test_missing_checkpoint(tmp_path, capsys):
 
 
 def test_unreadable_checkpoint(tmp_path, capsys):
-    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", "srelu")
     (ckpt / "manifest.json").unlink()  # so that the damage below is found by reading, not by sha256
     (ckpt / ".metadata").write_bytes(b"not a checkpoint")
     assert script_main([ckpt, tmp_path / "out"]) == 2
@@ -275,7 +275,7 @@ def test_unreadable_checkpoint(tmp_path, capsys):
 
 
 def test_non_empty_out_dir_needs_force(tmp_path, capsys):
-    ckpt, model = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
+    ckpt, model = synthetic_checkpoint(tmp_path / "run", "srelu")
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
@@ -297,7 +297,7 @@ def test_non_empty_out_dir_needs_force(tmp_path, capsys):
 def test_load_exported_errors(tmp_path):
     with pytest.raises(ExportError, match="not an export directory"):
         load_exported(tmp_path)
-    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", "srelu")
     export_checkpoint(ckpt, tmp_path / "out")
     (tmp_path / "out" / "model.safetensors").write_bytes(b"damaged")
     with pytest.raises(ExportError, match="cannot read"):
@@ -306,7 +306,7 @@ def test_load_exported_errors(tmp_path):
 
 def test_explicit_tokenizer_must_match_the_checkpoint(tmp_path, capsys, swiglu_export):
     tok = swiglu_export / "tokenizer.json"
-    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.swiglu)
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", "swiglu")
     state = load_checkpoint(ckpt)
     resave = lambda: save_checkpoint(tmp_path / "run", 3, {k: v for k, v in state.items()  # noqa: E731
                                                            if k not in ("format", "step", "world_size")})

@@ -80,7 +80,7 @@ class WandbMode(str, Enum):
 @dataclass
 class WandbConfig:
     mode: WandbMode = WandbMode.offline
-    project: str = "sparse24"
+    project: str = "srelu24"
     entity: Optional[str] = None
     group: Optional[str] = None   # None: the experiment's name
     tags: List[str] = field(default_factory=list)

@@ -21,8 +21,8 @@ ffn=srelu / srelu24 (not Llama: a two-matrix Squared-ReLU FFN): our own format, 
 - `model.safetensors`: the weights under our parameter names (`Transformer.state_dict()`);
   with tied embeddings `output.weight` is left out.
 `sparse24_active` is true for srelu24: a trained srelu24 model is used in its 2:4 mode, so
-`load_exported` switches 2:4 on (`model.set_sparse24(True)`); call `set_sparse24(False)` for
-the dense Squared-ReLU function. It is false for srelu (where set_sparse24 is a no-op).
+`load_exported` switches 2:4 on (`model.set_2to4(True)`); call `set_2to4(False)` for
+the dense Squared-ReLU function. It is false for srelu (where set_2to4 is a no-op).
 
 Both: `tokenizer.json` (copied from the run's shard directory, found through the checkpoint's
 run directory: run_info.json -> shard_dir, and checked against the checkpoint's tokenizer
@@ -44,7 +44,7 @@ import torch
 
 from data.errors import DataError
 from data.tokenizer import EOT, load_tokenizer, tokenizer_sha256
-from model import FFNConfig, FFNKind, ModelConfig, Transformer, ffn_hidden_dim
+from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim
 from model.transformer import HF_NAMES
 
 from .checkpoint import is_checkpoint, list_checkpoints, load_checkpoint
@@ -118,7 +118,6 @@ def configs_of(state: dict, path: Path = Path("checkpoint")) -> tuple[ModelConfi
     try:
         mcfg = _dataclass_from(ModelConfig, cfg["model"])
         fcfg = _dataclass_from(FFNConfig, cfg["ffn"])
-        fcfg.kind = FFNKind(fcfg.kind)
     except (TypeError, ValueError) as e:
         raise ExportError(f"{path}: unusable model/ffn config: {e}") from e
     emb = state["model"].get("tok_embeddings.weight")
@@ -255,7 +254,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "fp32", forc
     eos_id = tok.token_to_id(EOT) if tok is not None else None
 
     tied = mcfg.tie_embeddings
-    is_llama = fcfg.kind == FFNKind.swiglu
+    is_llama = fcfg.kind == "swiglu"
     tensors = {}
     for name, t in state["model"].items():
         if tied and name == "output.weight":
@@ -266,7 +265,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "fp32", forc
         files = _write(out_dir, state, tensors, mcfg, fcfg, vocab, torch_dtype, tok, tok_path, eos_id, path, want_sha)
     except OSError as e:
         raise ExportError(f"cannot write {out_dir}: {e}") from e
-    return {"kind": fcfg.kind.value, "format": "llama" if is_llama else FORMAT_NAME, "checkpoint": str(path),
+    return {"kind": fcfg.kind, "format": "llama" if is_llama else FORMAT_NAME, "checkpoint": str(path),
             "step": state.get("step"), "dtype": DTYPE_NAMES[torch_dtype], "files": files,
             "tokenizer": str(tok_path) if tok is not None else None, "tokenizer_note": note}
 
@@ -274,7 +273,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "fp32", forc
 def _write(out_dir, state, tensors, mcfg, fcfg, vocab, torch_dtype, tok, tok_path, eos_id, path, want_sha) -> list:
     from safetensors.torch import save_file
 
-    is_llama = fcfg.kind == FFNKind.swiglu
+    is_llama = fcfg.kind == "swiglu"
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in EXPORT_FILES:  # only reached with force (or an empty dir): drop an earlier export's files
         (out_dir / stale).unlink(missing_ok=True)
@@ -288,7 +287,7 @@ def _write(out_dir, state, tensors, mcfg, fcfg, vocab, torch_dtype, tok, tok_pat
         _write_json(out_dir / OUR_CONFIG, {
             "format": FORMAT_NAME, "version": FORMAT_VERSION,
             "model": state["config"]["model"], "ffn": state["config"]["ffn"], "vocab_size": vocab,
-            "sparse24_active": fcfg.kind == FFNKind.srelu24, "dtype": DTYPE_NAMES[torch_dtype],
+            "sparse24_active": fcfg.kind == "srelu24", "dtype": DTYPE_NAMES[torch_dtype],
             "source": {"checkpoint": str(path.resolve()), "step": state.get("step"), "tokenizer_sha256": want_sha}})
         files.append(OUR_CONFIG)
     if tok is not None:
@@ -328,7 +327,7 @@ def _config_from_llama(c: dict) -> tuple[ModelConfig, FFNConfig, int]:
                        max_seq_len=c["max_position_embeddings"], rope_theta=float(theta),
                        norm_eps=c["rms_norm_eps"], tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                        init_std=c.get("initializer_range", 0.02))
-    return mcfg, FFNConfig(kind=FFNKind.swiglu), c["vocab_size"]
+    return mcfg, FFNConfig(kind="swiglu"), c["vocab_size"]
 
 
 def load_exported(out_dir: Path) -> Transformer:
@@ -343,7 +342,6 @@ def load_exported(out_dir: Path) -> Transformer:
             raise ExportError(f"{out_dir / OUR_CONFIG} is not a {FORMAT_NAME} v{FORMAT_VERSION} export config")
         mcfg = _dataclass_from(ModelConfig, c["model"])
         fcfg = _dataclass_from(FFNConfig, c["ffn"])
-        fcfg.kind = FFNKind(fcfg.kind)
         vocab, rename, sparse = c["vocab_size"], (lambda n: n), bool(c.get("sparse24_active", False))
     elif (out_dir / HF_CONFIG).is_file():
         mcfg, fcfg, vocab = _config_from_llama(_read_json(out_dir / HF_CONFIG))
@@ -364,7 +362,7 @@ def load_exported(out_dir: Path) -> Transformer:
     if set(missing) - allowed_missing or unexpected:
         raise ExportError(f"{out_dir / WEIGHTS} does not fit the config's model: missing "
                           f"{sorted(set(missing) - allowed_missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-    model.set_sparse24(sparse)
+    model.set_2to4(sparse)
     return model.eval()
 
 
