@@ -253,6 +253,7 @@ def bench(cfg, args, d) -> dict:
             rows.append(train_step_timed())  # phases_ms synchronises: the samples cover the steps
     data, fw, bw, op = (statistics.median(col) for col in zip(*rows))
     kernels = profile_kernels(train_step_timed, args.profile) if args.profile and device.type == "cuda" else None
+    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None  # the steps' own
     energy = (energy_accounting(cfg, model_cfg, opt, parts.params, B, S, args.energy, args.density)
               if args.energy and device.type == "cuda" else None)
     step = data + fw + bw + op
@@ -266,7 +267,7 @@ def bench(cfg, args, d) -> dict:
               "step_ms": step, "data_ms": data, "forward_ms": fw,
               "backward_ms": bw, "optimizer_ms": op, "tokens_per_s": tok_s,
               "mfu": size.flops_per_token * tok_s / d.world_size / peak if peak else None,
-              "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+              "peak_mem_gib": peak_mem}
     if clocks is not None:  # a power-capped GPU: which variant lowers the clock for everything
         result["clocks"] = clocks.summary()
         if "energy_j" in result["clocks"]:
