@@ -342,6 +342,20 @@ def test_launch_environment():
                                                                                            "x1"]
 
 
+def test_first_host_keeps_what_follows_a_range():
+    """A suffix after the brackets and a second range belong to the host name (a hand-written
+    parser gave 'node-01' and 'a1')."""
+    from training.distributed import first_host
+    from training.errors import ConfigError
+
+    assert first_host("node-[01-02]-ib") == "node-01-ib"
+    assert first_host("a[1-2]b[3-4]") == "a1b3"
+    assert first_host("gpu[003-004,007],cpu1") == "gpu003"
+    for bad in ("", "a[1-"):
+        with pytest.raises(ConfigError, match="set MASTER_ADDR"):
+            first_host(bad)
+
+
 def test_ranks_use_rank_0s_run_dir_and_drop_their_own_hydra_only_dir(tmp_path, monkeypatch):
     """Without hydra.run.dir, ranks that start in different seconds get different ${now:} dirs."""
     import training.loop

@@ -12,7 +12,6 @@ Where the ranks come from:
 import functools
 import inspect
 import os
-import re
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,12 +65,17 @@ def launch_env(env=os.environ, slurm: bool = True) -> Optional[Launch]:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: 'gpu[003-004,007],cpu1' -> 'gpu003'."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
+    """The first host of a SLURM node list: 'gpu[003-004,007],cpu1' -> 'gpu003', 'node-[01-02]-ib' ->
+    'node-01-ib'. Parsed by submitit (what its SlurmJobEnvironment.hostnames uses), not by hand."""
+    from submitit.slurm.slurm import SlurmParseException, _parse_node_list
+
+    try:
+        hosts = _parse_node_list(nodelist.strip())
+    except SlurmParseException:
+        hosts = []
+    if not hosts or not hosts[0]:
         raise ConfigError(f"cannot read the first host of SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
-    prefix, ranges = m.group(1), m.group(2)
-    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+    return hosts[0]
 
 
 def _slurm_rendezvous(env=os.environ) -> None:
