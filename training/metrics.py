@@ -6,9 +6,21 @@ from typing import Optional
 import torch
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' datasheets: the one
-# table MFU is computed against. Matched as a substring of torch.cuda.get_device_name().
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0,
+# table MFU is computed against. A key is matched as a case-insensitive substring of
+# torch.cuda.get_device_name(), the longest key first: "NVIDIA H100 PCIe" is the PCIe card, a plain
+# "H100" ("NVIDIA H100 80GB HBM3") the SXM one. The PCIe and NVL cards run lower clocks and power.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0,
+                    "H800": 989.0, "H800 PCIe": 756.0, "H200": 989.0, "H200 NVL": 835.0, "GH200": 989.0,
+                    "H20": 148.0, "B200": 2250.0, "GB200": 2500.0,
                     "A100": 312.0, "A800": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+def match_peak(name: str) -> Optional[tuple[str, float]]:
+    """(the table's key, TFLOP/s) for a device name, or None."""
+    for key, tflops in sorted(PEAK_BF16_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key.lower() in name.lower():
+            return key, tflops
+    return None
 
 
 def peak_flops(device: torch.device) -> Optional[float]:
@@ -16,11 +28,21 @@ def peak_flops(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, tflops in sorted(PEAK_BF16_TFLOPS.items(), key=lambda kv: -len(kv[0])):
-        if key in name:
-            return tflops * 1e12
-    warnings.warn(f"no peak FLOP/s known for {name!r}; MFU is not logged (add it to PEAK_BF16_TFLOPS)")
-    return None
+    found = match_peak(name)
+    if found is None:
+        warnings.warn(f"no peak FLOP/s known for {name!r}; MFU is not logged (add it to PEAK_BF16_TFLOPS)")
+        return None
+    return found[1] * 1e12
+
+
+def peak_info(device: torch.device) -> dict:
+    """What MFU is measured against, for run_info.json: the device's name, the table's key it
+    matched and the peak per GPU (None where there is no MFU)."""
+    if device.type != "cuda":
+        return {"device_name": "cpu", "mfu_peak_key": None, "mfu_peak_tflops_per_gpu": None}
+    name = torch.cuda.get_device_name(device)
+    key, tflops = match_peak(name) or (None, None)
+    return {"device_name": name, "mfu_peak_key": key, "mfu_peak_tflops_per_gpu": tflops}
 
 
 class Throughput:
