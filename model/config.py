@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
+from .attention import AttentionKind
 from .ffn import check_ffn_kind, ffn_class
 
 
@@ -19,6 +20,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    attention: AttentionKind = AttentionKind.causal  # document: no attention across end-of-text tokens
 
 
 @dataclass

@@ -11,10 +11,15 @@ Initialisation (`Transformer.reset_parameters`):
 - RMSNorm weights: 1.
 The same rule holds for all three FFN variants, so they start from comparable scales.
 
+Attention is causal over the window, or with model.attention=document causal within each document
+of it (model/attention.py; the model then needs the end-of-text id: `Transformer(..., eot_id=)`).
+
 Inference: `forward(tokens, cache=..., start_pos=p)` with a `KVCache` (`model.new_cache()`)
 runs tokens at positions p..p+S-1, writes their keys/values into the cache and attends to
 everything cached before them (model/generate.py samples with it). Without a cache the
-forward is the training path, unchanged.
+forward is the training path, unchanged. With a cache attention is causal over the cache, also
+for a document model: the same as its training forward while the context holds no EOT after
+its first token (sample.py's prompts are one document, and generation stops at EOT).
 """
 import math
 from dataclasses import dataclass
@@ -28,6 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kernels.srelu24_reference import permute_rows, random_token_orders
 
+from .attention import AttentionKind, Mask, attend, document_ids, document_mask
 from .config import FFNConfig, ModelConfig, ffn_hidden_dim
 from .ffn import build_ffn
 
@@ -84,7 +90,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                kv: Optional[tuple[Tensor, Tensor]] = None, start_pos: int = 0) -> Tensor:
+                kv: Optional[tuple[Tensor, Tensor]] = None, start_pos: int = 0, mask: Mask = None) -> Tensor:
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -92,7 +98,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
         if kv is None:  # training: the whole sequence at once
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = attend(q, k, v, mask, gqa)
         else:
             out = self._cached(q, k, v, kv, start_pos, gqa)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
@@ -123,11 +129,11 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 kv: Optional[tuple[Tensor, Tensor]] = None, start_pos: int = 0,
-                token_order: Optional[Tensor] = None) -> Tensor:
+                token_order: Optional[Tensor] = None, mask: Mask = None) -> Tensor:
         """token_order [2, B*S] (an order and its inverse): the FFN sees its tokens in that order.
         The FFN acts on each token alone, so this is exact; the norm reads its rows in that
         order and the residual add writes them back in token order (both gathers fuse there)."""
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start_pos)
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start_pos, mask)
         if token_order is None:
             return x + self.feed_forward(self.ffn_norm(x))
         order, inverse = token_order[0], token_order[1]
@@ -147,13 +153,15 @@ def _init(p: Tensor, fill) -> None:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ffn: FFNConfig, vocab_size: int):
+    def __init__(self, cfg: ModelConfig, ffn: FFNConfig, vocab_size: int, eot_id: Optional[int] = None):
         super().__init__()
         if cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
         if cfg.n_kv_heads and cfg.n_heads % cfg.n_kv_heads:
             raise ValueError(f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.n_kv_heads}")
         self.cfg, self.ffn_cfg, self.vocab_size = cfg, ffn, vocab_size
+        self.documents = AttentionKind(cfg.attention) == AttentionKind.document
+        self.eot_id = eot_id  # where documents end (model.attention=document)
         self.tok_embeddings = nn.Embedding(vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, ffn) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -238,13 +246,18 @@ class Transformer(nn.Module):
         if cache is not None and end > cache.max_len:
             raise ValueError(f"positions up to {end} do not fit the cache of length {cache.max_len}")
         cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+        mask = None
+        if self.documents and cache is None:  # one mask per forward, shared by the layers
+            if self.eot_id is None:
+                raise ValueError("model.attention=document needs the end-of-text token id: Transformer(..., eot_id=)")
+            mask = document_mask(document_ids(tokens, self.eot_id))
         h = self.tok_embeddings(tokens)
         orders = self.token_orders(tokens.numel(), tokens.device) if cache is None else None
         for i, layer in enumerate(self.layers):
             if cache is not None:
                 h = layer(h, cos, sin, (cache.k[i], cache.v[i]), start_pos)
             else:
-                h = layer(h, cos, sin, token_order=orders[i] if orders else None)
+                h = layer(h, cos, sin, token_order=orders[i] if orders else None, mask=mask)
         if targets is None:
             return self.output(self.norm(h))
         return self.loss(h, targets)
