@@ -1,12 +1,14 @@
-"""Export a checkpoint as safetensors + config (the format: training/export.py's docstring).
+"""Export a checkpoint as a Hugging Face model directory (the format: training/export.py's docstring).
 
     python scripts/export_hf.py runs/.../checkpoints/step_00001000 exports/my_model
     python scripts/export_hf.py runs/.../my_run exports/my_model --dtype bf16   # its newest checkpoint
+    python scripts/export_hf.py runs/.../srelu24_run exports/my_model --val-batches 0  # + val loss 2:4 vs dense
 
-swiglu -> a Hugging Face LlamaForCausalLM directory (config.json, model.safetensors);
-srelu / srelu24 -> sparse24_config.json + model.safetensors under our names, loaded back with
-training.export.load_exported. Both get the run's tokenizer.json + tokenizer_config.json when found.
-An OUT_DIR that exists and is not empty is an error unless --force.
+swiglu -> LlamaForCausalLM, srelu and srelu24 -> ArceeForCausalLM (config.json, model.safetensors),
+loaded with transformers' AutoModelForCausalLM.from_pretrained(OUT_DIR), or as our model with
+training.export.load_exported(OUT_DIR) (srelu24 with 2:4 on: transformers runs it dense). With the
+run's tokenizer.json + tokenizer_config.json when found. An OUT_DIR that exists and is not empty is
+an error unless --force.
 """
 import argparse
 import sys
@@ -25,16 +27,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
     p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR, replacing an earlier export")
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json to ship instead of the run's")
+    p.add_argument("--val-batches", type=int, default=None, metavar="N",
+                   help="srelu24: first measure the validation loss with 2:4 and dense over N batches of the run's "
+                        "validation split (0: all of it, on the CPU) and record both in config.json")
     args = p.parse_args(argv)
     try:
-        info = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.force, args.tokenizer)
+        info = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.force, args.tokenizer,
+                                 args.val_batches)
     except ExportError as e:
         print(f"error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
         return 2
-    fmt = "Hugging Face LlamaForCausalLM" if info["format"] == "llama" else "sparse24 (training.export.load_exported)"
     print(f"exported {info['checkpoint']} (step {info['step']}, ffn={info['kind']}, {info['dtype']}) -> {args.out_dir}")
-    print(f"  format: {fmt}")
+    print(f"  architecture: {info['architecture']} (transformers' AutoModelForCausalLM)")
     print(f"  files: {', '.join(info['files'])}")
+    if info["kind"] == "srelu24":
+        print("  note: trained with 2:4 activation sparsity; transformers computes the dense FFN "
+              "(training.export.load_exported gives 2:4)")
+    if info["val_loss"]:
+        v = info["val_loss"]
+        print(f"  validation loss over {v['val_windows']} windows of {v['seq_len']}: 2:4 {v['val_loss_2to4']:.4f}, "
+              f"dense {v['val_loss_dense']:.4f}")
     if info["tokenizer"] is None:
         print(f"  warning: no tokenizer exported: {info['tokenizer_note']}", file=sys.stderr)
     return 0

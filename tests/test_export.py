@@ -1,6 +1,7 @@
 """scripts/export_hf.py and training/export.py: a swiglu checkpoint of a real tiny run exports as a
-Hugging Face LlamaForCausalLM with the same logits and tokenizer; srelu24 exports to our own
-format and loads back bit-exact (2:4 on); tied embeddings, bf16, and the one-line errors."""
+Hugging Face LlamaForCausalLM, srelu and srelu24 as ArceeForCausalLM, with our logits (srelu24: the
+dense ones; load_exported gives 2:4 back bit-exact) and the same tokenizer; tied embeddings, bf16,
+the validation loss 2:4 vs dense, and the one-line errors."""
 import importlib.util
 import json
 import subprocess
@@ -14,11 +15,11 @@ from safetensors.torch import load_file
 
 from data.tokenizer import EOT, load_tokenizer
 from helpers import ROOT, run_train, tiny_overrides, write_corpus
-from model import FFNConfig, ModelConfig, Transformer
+from model import FFNConfig, FFNKind, ModelConfig, Transformer
 from model.ffn import SReLU24
 from training.checkpoint import load_checkpoint, model_shape, save_checkpoint
 from training.export import ExportError, export_checkpoint, from_hf_name, load_exported, model_from_checkpoint, to_hf_name
-from training.export import FORMAT_NAME
+from training.export import SPARSITY_NOTE, val_loss_2to4_and_dense
 
 pytestmark = pytest.mark.filterwarnings("ignore:srelu24. using the pure-PyTorch")
 
@@ -74,8 +75,8 @@ def swiglu_ckpt(tmp_path_factory, corpus, cache):
 
 @pytest.fixture(scope="module")
 def srelu24_ckpt(tmp_path_factory, corpus, cache):
-    return train_run(tmp_path_factory.mktemp("srelu24"), corpus, cache,
-                     ["ffn=srelu24", "ffn.hidden_dim=128", "ffn.dense_warmup_steps=2"])
+    return train_run(tmp_path_factory.mktemp("srelu24"), corpus, cache,  # GQA as for swiglu
+                     ["ffn=srelu24", "ffn.hidden_dim=128", "ffn.dense_warmup_steps=2", "model.n_kv_heads=1"])
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +102,10 @@ def test_swiglu_export_files_and_config(swiglu_export, swiglu_ckpt):
     assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]) == (64, 2, 2, 1)
     assert c["intermediate_size"] == ours.layers[0].feed_forward.w1.weight.shape[0]
     assert c["vocab_size"] == ours.vocab_size == 512 and c["max_position_embeddings"] == 64
-    assert c["rope_theta"] == 5000.0 and c["rms_norm_eps"] == 1e-6
+    assert c["rope_parameters"] == {"rope_type": "default", "rope_theta": 5000.0} and c["rms_norm_eps"] == 1e-6
     assert c["tie_word_embeddings"] is False and c["attention_bias"] is False and c["mlp_bias"] is False
-    assert c["torch_dtype"] == c["dtype"] == "float32"
+    assert c["dtype"] == "float32" and c["hidden_act"] == "silu" and "sparsity_2to4" not in c
+    assert c["exported_from"]["step"] == load_checkpoint(swiglu_ckpt)["step"]
     assert c["eos_token_id"] == load_tokenizer(swiglu_export / "tokenizer.json").token_to_id(EOT)
     weights = load_file(str(swiglu_export / "model.safetensors"))
     assert set(weights) == {to_hf_name(n) for n in ours.state_dict()}
@@ -158,32 +160,95 @@ def test_hf_names_round_trip():
         from_hf_name("model.layers.0.mlp.gate_proj.bias")
 
 
-# ---------------------------------------------------------------- srelu24 -> our format
+# ---------------------------------------------------------------- srelu24 -> Hugging Face Arcee
 
 
-def test_srelu24_export_round_trips_bit_exact_in_2to4_mode(tmp_path, srelu24_ckpt):
-    out = tmp_path / "srelu24"
+def test_arcee_names_round_trip():
+    m = Transformer(ModelConfig(dim=32, n_layers=3, n_heads=2, swiglu_hidden=64, max_seq_len=16),
+                    FFNConfig(kind=FFNKind.srelu), 50)
+    names = list(m.state_dict())
+    assert [from_hf_name(to_hf_name(n, FFNKind.srelu), FFNKind.srelu) for n in names] == names
+    assert to_hf_name("layers.2.feed_forward.w1.weight", FFNKind.srelu24) == "model.layers.2.mlp.up_proj.weight"
+    assert to_hf_name("layers.2.feed_forward.w2.weight", FFNKind.srelu) == "model.layers.2.mlp.down_proj.weight"
+    with pytest.raises(ExportError):
+        from_hf_name("model.layers.0.mlp.gate_proj.weight", FFNKind.srelu)  # Arcee's MLP has no gate
+
+
+@pytest.fixture(scope="module")
+def srelu24_export(tmp_path_factory, srelu24_ckpt):
+    out = tmp_path_factory.mktemp("exports") / "srelu24"
     assert script_main([srelu24_ckpt, out]) == 0
-    assert sorted(p.name for p in out.iterdir()) == [
-        "model.safetensors", "sparse24_config.json", "tokenizer.json", "tokenizer_config.json"]
-    c = json.loads((out / "sparse24_config.json").read_text())
-    state = load_checkpoint(srelu24_ckpt)
-    assert c["format"] == FORMAT_NAME and c["version"] == 1 and c["sparse24_active"] is True
-    assert c["model"] == state["config"]["model"] and c["ffn"] == state["config"]["ffn"]
-    assert c["vocab_size"] == 512 and c["dtype"] == "float32" and c["source"]["step"] == state["step"]
-    assert set(load_file(str(out / "model.safetensors"))) == set(state["model"])  # our names
+    return out
 
-    orig, back = model_from_checkpoint(srelu24_ckpt), load_exported(out)
+
+def test_srelu24_export_is_an_arcee_model_with_a_2to4_note(srelu24_export, srelu24_ckpt):
+    out = srelu24_export
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    c = json.loads((out / "config.json").read_text())
+    state = load_checkpoint(srelu24_ckpt)
+    assert c["architectures"] == ["ArceeForCausalLM"] and c["model_type"] == "arcee" and c["hidden_act"] == "relu2"
+    assert (c["intermediate_size"], c["num_key_value_heads"], c["vocab_size"]) == (128, 1, 512)
+    assert c["sparsity_2to4"]["trained_with_2to4"] is True and c["sparsity_2to4"]["from_step"] == 2
+    assert c["sparsity_2to4"]["transformers_forward"] == "dense" and c["sparsity_2to4"]["note"] == SPARSITY_NOTE
+    assert c["exported_from"]["model"] == state["config"]["model"] and c["exported_from"]["ffn"] == state["config"]["ffn"]
+    assert c["exported_from"]["step"] == state["step"] and c["dtype"] == "float32"
+    weights = load_file(str(out / "model.safetensors"))
+    assert set(weights) == {to_hf_name(n, FFNKind.srelu24) for n in state["model"]}
+    assert "model.layers.0.mlp.up_proj.weight" in weights and not any("gate_proj" in n for n in weights)
+
+
+def test_srelu24_export_loads_in_transformers_with_our_dense_logits(srelu24_export, srelu24_ckpt):
+    transformers = pytest.importorskip("transformers")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(srelu24_export, output_loading_info=True)
+    assert type(hf).__name__ == "ArceeForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ours = model_from_checkpoint(srelu24_ckpt)  # 2:4 off: the dense Squared-ReLU function
+    x = tokens(ours.vocab_size)
+    with torch.no_grad():
+        ref, got = hf.float().eval()(x).logits, ours(x)
+        assert got.shape == ref.shape == (2, 40, 512)
+        assert rel_err(got, ref) < 1e-5
+        ours.set_sparse24(True)
+        assert rel_err(ours(x), ref) > 1e-4  # what transformers computes is not the 2:4 function
+
+
+def test_srelu24_export_round_trips_bit_exact_in_2to4_mode(srelu24_export, srelu24_ckpt):
+    orig, back = model_from_checkpoint(srelu24_ckpt), load_exported(srelu24_export)
     assert all(m.sparse for m in back.modules() if isinstance(m, SReLU24))  # 2:4 on by default
+    assert back.ffn_cfg == orig.ffn_cfg and back.cfg == orig.cfg  # the recipe and the run's names come back
+    assert (back.ffn_cfg.dense_warmup_steps, back.ffn_cfg.kind) == (2, FFNKind.srelu24) and back.cfg.n_kv_heads == 1
     x = tokens(orig.vocab_size)
     with torch.no_grad():
         dense = orig(x)
-        orig.set_2to4(True)
+        orig.set_sparse24(True)
         sparse = orig(x)
         assert torch.equal(back(x), sparse)
         assert not torch.equal(sparse, dense)  # 2:4 mode is a different function: the flag matters
-        back.set_2to4(False)
+        back.set_sparse24(False)
         assert torch.equal(back(x), dense)
+
+
+def test_val_loss_2to4_against_dense(tmp_path, srelu24_ckpt):
+    model, state = model_from_checkpoint(srelu24_ckpt), load_checkpoint(srelu24_ckpt)
+    got = val_loss_2to4_and_dense(model, state, srelu24_ckpt, n_batches=2)
+    assert got["val_windows"] == 2 * state["config"]["trainer"]["micro_batch_size"]
+    assert got["val_loss_2to4"] != got["val_loss_dense"] and 0 < got["val_loss_dense"] < 10
+    from data.loader import TokenLoader
+    from data.shards import load_manifest
+    from training.export import run_shard_dir
+
+    shards, t = run_shard_dir(srelu24_ckpt, "manifest.json"), state["config"]["trainer"]
+    batches = TokenLoader(shards, load_manifest(shards), "val", t["seq_len"], t["micro_batch_size"], t["seed"]) \
+        .fixed_batches(2)
+    with torch.no_grad():  # each is the model's own mean loss over those windows, in that mode
+        for key, on in (("val_loss_dense", False), ("val_loss_2to4", True)):
+            model.set_sparse24(on)
+            assert got[key] == pytest.approx(torch.stack([model(x, y) for x, y in batches]).mean().item(), rel=1e-6)
+    out = tmp_path / "measured"
+    assert script_main([srelu24_ckpt, out, "--val-batches", "2"]) == 0
+    assert json.loads((out / "config.json").read_text())["sparsity_2to4"]["val_loss_2to4"] == \
+        pytest.approx(got["val_loss_2to4"], rel=1e-6)
 
 
 def test_bf16_export(tmp_path, srelu24_ckpt):
@@ -191,13 +256,13 @@ def test_bf16_export(tmp_path, srelu24_ckpt):
     assert script_main([srelu24_ckpt, out, "--dtype", "bf16"]) == 0
     weights = load_file(str(out / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
-    assert json.loads((out / "sparse24_config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     orig = model_from_checkpoint(srelu24_ckpt)
     for n, p in orig.state_dict().items():
-        assert torch.equal(weights[n], p.to(torch.bfloat16)), n
+        assert torch.equal(weights[to_hf_name(n, FFNKind.srelu24)], p.to(torch.bfloat16)), n
     back = load_exported(out)
     assert back.tok_embeddings.weight.dtype == torch.float32
-    orig.set_2to4(True)
+    orig.set_sparse24(True)
     x = tokens(orig.vocab_size)
     with torch.no_grad():
         assert 0 < rel_err(back(x), orig(x)) < 3e-2
@@ -206,7 +271,7 @@ def test_bf16_export(tmp_path, srelu24_ckpt):
 # ---------------------------------------------------------------- tied embeddings (synthetic checkpoints)
 
 
-def synthetic_checkpoint(run_dir: Path, kind: str, vocab=97) -> tuple[Path, Transformer]:
+def synthetic_checkpoint(run_dir: Path, kind: FFNKind, vocab=97) -> tuple[Path, Transformer]:
     mcfg = ModelConfig(name="t", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, swiglu_hidden=64, max_seq_len=32,
                        tie_embeddings=True)
     fcfg = FFNConfig(kind=kind, hidden_dim=64, kernels=False)
@@ -216,13 +281,13 @@ def synthetic_checkpoint(run_dir: Path, kind: str, vocab=97) -> tuple[Path, Tran
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.3 * torch.randn(p.shape))
-    config = {"model": asdict(mcfg), "ffn": {**asdict(fcfg), "kind": kind}}
+    config = {"model": asdict(mcfg), "ffn": {**asdict(fcfg), "kind": kind.value}}
     path = save_checkpoint(run_dir, 3, {"model": model.state_dict(), "model_shape": model_shape(model),
                                         "config": config})
     return path, model
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "srelu"])
+@pytest.mark.parametrize("kind", [FFNKind.swiglu, FFNKind.srelu, FFNKind.srelu24])
 def test_tied_embeddings(tmp_path, kind):
     ckpt, model = synthetic_checkpoint(tmp_path / "run", kind)
     info = export_checkpoint(ckpt, tmp_path / "out")
@@ -231,16 +296,20 @@ def test_tied_embeddings(tmp_path, kind):
     assert "lm_head.weight" not in weights and "output.weight" not in weights
     x = tokens(97, S=20)
     with torch.no_grad():
-        want = model(x)
+        want = model(x)  # srelu24: dense, as transformers computes it
         back = load_exported(tmp_path / "out")
         assert back.output.weight is back.tok_embeddings.weight
+        model.set_sparse24(True)
+        assert torch.equal(back(x), model(x))  # srelu24: 2:4 on
+        back.set_sparse24(False)
         assert torch.equal(back(x), want)
-        if kind == "swiglu":
-            transformers = pytest.importorskip("transformers")
-            hf, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-            assert not info["missing_keys"] and not info["unexpected_keys"], info
-            assert hf.config.tie_word_embeddings and hf.config.eos_token_id is None
-            assert rel_err(hf.float().eval()(x).logits, want) < 1e-5
+        transformers = pytest.importorskip("transformers")  # GQA (4 heads over 2) and tied embeddings
+        hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+        assert type(hf).__name__ == ("LlamaForCausalLM" if kind == FFNKind.swiglu else "ArceeForCausalLM")
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        assert hf.config.tie_word_embeddings and hf.config.eos_token_id is None
+        assert hf.config.num_key_value_heads == 2 and hf.config.num_attention_heads == 4
+        assert rel_err(hf.float().eval()(x).logits, want) < 1e-5
 
 
 # ---------------------------------------------------------------- errors: one line, exit 2
@@ -259,7 +328,7 @@ def test_missing_checkpoint(tmp_path, capsys):
 
 
 def test_unreadable_checkpoint(tmp_path, capsys):
-    ckpt, _ = synthetic_checkpoint(tmp_path / "run", "srelu")
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
     (ckpt / "manifest.json").unlink()  # so that the damage below is found by reading, not by sha256
     (ckpt / ".metadata").write_bytes(b"not a checkpoint")
     assert script_main([ckpt, tmp_path / "out"]) == 2
@@ -275,7 +344,7 @@ def test_unreadable_checkpoint(tmp_path, capsys):
 
 
 def test_non_empty_out_dir_needs_force(tmp_path, capsys):
-    ckpt, model = synthetic_checkpoint(tmp_path / "run", "srelu")
+    ckpt, model = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
@@ -297,7 +366,7 @@ def test_non_empty_out_dir_needs_force(tmp_path, capsys):
 def test_load_exported_errors(tmp_path):
     with pytest.raises(ExportError, match="not an export directory"):
         load_exported(tmp_path)
-    ckpt, _ = synthetic_checkpoint(tmp_path / "run", "srelu")
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
     export_checkpoint(ckpt, tmp_path / "out")
     (tmp_path / "out" / "model.safetensors").write_bytes(b"damaged")
     with pytest.raises(ExportError, match="cannot read"):
@@ -306,7 +375,7 @@ def test_load_exported_errors(tmp_path):
 
 def test_explicit_tokenizer_must_match_the_checkpoint(tmp_path, capsys, swiglu_export):
     tok = swiglu_export / "tokenizer.json"
-    ckpt, _ = synthetic_checkpoint(tmp_path / "run", "swiglu")
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.swiglu)
     state = load_checkpoint(ckpt)
     resave = lambda: save_checkpoint(tmp_path / "run", 3, {k: v for k, v in state.items()  # noqa: E731
                                                            if k not in ("format", "step", "world_size")})
