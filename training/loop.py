@@ -27,6 +27,7 @@ from .config import Config, Strategy
 from .distributed import Dist, agree, broadcast_object, build_model, launch_env, local, setup, shutdown
 from .errors import TrainingError
 from .logger import RunLogger, environment
+from .memory import dry_run_rows
 from .gpu_clocks import ClockSampler
 from .metrics import Throughput
 from .optim import build_optimizer, lr_at
@@ -297,7 +298,7 @@ def dry_run(cfg: Config) -> dict:
             ("FLOPs per token, training (6N + 12LdS)", f"{s.flops_per_token:.4g}"),
             ("FLOPs per token, forward", f"{s.forward_flops_per_token:.4g}"),
             ("steps x tokens per step", f"{steps:,} x {cfg.trainer.batch_size * cfg.trainer.seq_len:,}"),
-            ("training FLOPs for the budget", f"{s.flops_per_token * tokens:.4g}")]
+            ("training FLOPs for the budget", f"{s.flops_per_token * tokens:.4g}")] + dry_run_rows(cfg, vocab)
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
     return {"params_total": s.total, "params_non_embedding": s.non_embedding, "flops_per_token": s.flops_per_token}
