@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from data.tokenizer import EOT  # noqa: E402
-from model import FFNKind, Transformer  # noqa: E402
+from model import Transformer  # noqa: E402
 from model.generate import generate  # noqa: E402
 from training.export import ExportError, checkpoint_tokenizer, model_and_state  # noqa: E402
 
@@ -50,11 +50,11 @@ def load(ckpt: Path, tokenizer, device: torch.device):
 def sparsity_note(model: Transformer, state: dict) -> str:
     """Switch srelu24's 2:4 on or off as training would continue from this step; say which."""
     ffn = model.ffn_cfg
-    if ffn.kind != FFNKind.srelu24:
+    if ffn.kind != "srelu24":
         return ""
     step = state.get("step", 0)
     on = step >= ffn.dense_warmup_steps
-    model.set_sparse24(on)
+    model.set_2to4(on)
     if on:
         return f"srelu24: 2:4 sparsity on (step {step} >= ffn.dense_warmup_steps={ffn.dense_warmup_steps})"
     return f"srelu24: dense, 2:4 off (step {step} < ffn.dense_warmup_steps={ffn.dense_warmup_steps})"
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
         gen = torch.Generator().manual_seed(seed)
 
-        note(f"checkpoint {ckpt} (step {state.get('step')}), {model.ffn_cfg.kind.value}, {a.device}, seed {seed}")
+        note(f"checkpoint {ckpt} (step {state.get('step')}), {model.ffn_cfg.kind}, {a.device}, seed {seed}")
         if msg := sparsity_note(model, state):
             note(msg)
         with warnings.catch_warnings():  # the CPU 2:4 reference path is expected here

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from data.tokenizer import EOT, load_tokenizer
 from helpers import ROOT, run_train, tiny_overrides, write_corpus
-from model import FFNConfig, FFNKind, ModelConfig, Transformer
+from model import FFNConfig, ModelConfig, Transformer
 from model.ffn import SReLU24
 from training.checkpoint import load_checkpoint, model_shape, save_checkpoint
 from training.export import ExportError, export_checkpoint, from_hf_name, load_exported, model_from_checkpoint, to_hf_name
@@ -165,13 +165,13 @@ def test_hf_names_round_trip():
 
 def test_arcee_names_round_trip():
     m = Transformer(ModelConfig(dim=32, n_layers=3, n_heads=2, swiglu_hidden=64, max_seq_len=16),
-                    FFNConfig(kind=FFNKind.srelu), 50)
+                    FFNConfig(kind="srelu"), 50)
     names = list(m.state_dict())
-    assert [from_hf_name(to_hf_name(n, FFNKind.srelu), FFNKind.srelu) for n in names] == names
-    assert to_hf_name("layers.2.feed_forward.w1.weight", FFNKind.srelu24) == "model.layers.2.mlp.up_proj.weight"
-    assert to_hf_name("layers.2.feed_forward.w2.weight", FFNKind.srelu) == "model.layers.2.mlp.down_proj.weight"
+    assert [from_hf_name(to_hf_name(n, "srelu"), "srelu") for n in names] == names
+    assert to_hf_name("layers.2.feed_forward.w1.weight", "srelu24") == "model.layers.2.mlp.up_proj.weight"
+    assert to_hf_name("layers.2.feed_forward.w2.weight", "srelu") == "model.layers.2.mlp.down_proj.weight"
     with pytest.raises(ExportError):
-        from_hf_name("model.layers.0.mlp.gate_proj.weight", FFNKind.srelu)  # Arcee's MLP has no gate
+        from_hf_name("model.layers.0.mlp.gate_proj.weight", "srelu")  # Arcee's MLP has no gate
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_srelu24_export_is_an_arcee_model_with_a_2to4_note(srelu24_export, srelu
     assert c["exported_from"]["model"] == state["config"]["model"] and c["exported_from"]["ffn"] == state["config"]["ffn"]
     assert c["exported_from"]["step"] == state["step"] and c["dtype"] == "float32"
     weights = load_file(str(out / "model.safetensors"))
-    assert set(weights) == {to_hf_name(n, FFNKind.srelu24) for n in state["model"]}
+    assert set(weights) == {to_hf_name(n, "srelu24") for n in state["model"]}
     assert "model.layers.0.mlp.up_proj.weight" in weights and not any("gate_proj" in n for n in weights)
 
 
@@ -209,7 +209,7 @@ def test_srelu24_export_loads_in_transformers_with_our_dense_logits(srelu24_expo
         ref, got = hf.float().eval()(x).logits, ours(x)
         assert got.shape == ref.shape == (2, 40, 512)
         assert rel_err(got, ref) < 1e-5
-        ours.set_sparse24(True)
+        ours.set_2to4(True)
         assert rel_err(ours(x), ref) > 1e-4  # what transformers computes is not the 2:4 function
 
 
@@ -217,15 +217,15 @@ def test_srelu24_export_round_trips_bit_exact_in_2to4_mode(srelu24_export, srelu
     orig, back = model_from_checkpoint(srelu24_ckpt), load_exported(srelu24_export)
     assert all(m.sparse for m in back.modules() if isinstance(m, SReLU24))  # 2:4 on by default
     assert back.ffn_cfg == orig.ffn_cfg and back.cfg == orig.cfg  # the recipe and the run's names come back
-    assert (back.ffn_cfg.dense_warmup_steps, back.ffn_cfg.kind) == (2, FFNKind.srelu24) and back.cfg.n_kv_heads == 1
+    assert (back.ffn_cfg.dense_warmup_steps, back.ffn_cfg.kind) == (2, "srelu24") and back.cfg.n_kv_heads == 1
     x = tokens(orig.vocab_size)
     with torch.no_grad():
         dense = orig(x)
-        orig.set_sparse24(True)
+        orig.set_2to4(True)
         sparse = orig(x)
         assert torch.equal(back(x), sparse)
         assert not torch.equal(sparse, dense)  # 2:4 mode is a different function: the flag matters
-        back.set_sparse24(False)
+        back.set_2to4(False)
         assert torch.equal(back(x), dense)
 
 
@@ -243,7 +243,7 @@ def test_val_loss_2to4_against_dense(tmp_path, srelu24_ckpt):
         .fixed_batches(2)
     with torch.no_grad():  # each is the model's own mean loss over those windows, in that mode
         for key, on in (("val_loss_dense", False), ("val_loss_2to4", True)):
-            model.set_sparse24(on)
+            model.set_2to4(on)
             assert got[key] == pytest.approx(torch.stack([model(x, y) for x, y in batches]).mean().item(), rel=1e-6)
     out = tmp_path / "measured"
     assert script_main([srelu24_ckpt, out, "--val-batches", "2"]) == 0
@@ -259,10 +259,10 @@ def test_bf16_export(tmp_path, srelu24_ckpt):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     orig = model_from_checkpoint(srelu24_ckpt)
     for n, p in orig.state_dict().items():
-        assert torch.equal(weights[to_hf_name(n, FFNKind.srelu24)], p.to(torch.bfloat16)), n
+        assert torch.equal(weights[to_hf_name(n, "srelu24")], p.to(torch.bfloat16)), n
     back = load_exported(out)
     assert back.tok_embeddings.weight.dtype == torch.float32
-    orig.set_sparse24(True)
+    orig.set_2to4(True)
     x = tokens(orig.vocab_size)
     with torch.no_grad():
         assert 0 < rel_err(back(x), orig(x)) < 3e-2
@@ -271,7 +271,7 @@ def test_bf16_export(tmp_path, srelu24_ckpt):
 # ---------------------------------------------------------------- tied embeddings (synthetic checkpoints)
 
 
-def synthetic_checkpoint(run_dir: Path, kind: FFNKind, vocab=97) -> tuple[Path, Transformer]:
+def synthetic_checkpoint(run_dir: Path, kind: str, vocab=97) -> tuple[Path, Transformer]:
     mcfg = ModelConfig(name="t", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, swiglu_hidden=64, max_seq_len=32,
                        tie_embeddings=True)
     fcfg = FFNConfig(kind=kind, hidden_dim=64, kernels=False)
@@ -281,13 +281,13 @@ def synthetic_checkpoint(run_dir: Path, kind: FFNKind, vocab=97) -> tuple[Path, 
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.3 * torch.randn(p.shape))
-    config = {"model": asdict(mcfg), "ffn": {**asdict(fcfg), "kind": kind.value}}
+    config = {"model": asdict(mcfg), "ffn": asdict(fcfg)}
     path = save_checkpoint(run_dir, 3, {"model": model.state_dict(), "model_shape": model_shape(model),
                                         "config": config})
     return path, model
 
 
-@pytest.mark.parametrize("kind", [FFNKind.swiglu, FFNKind.srelu, FFNKind.srelu24])
+@pytest.mark.parametrize("kind", ["swiglu", "srelu", "srelu24"])
 def test_tied_embeddings(tmp_path, kind):
     ckpt, model = synthetic_checkpoint(tmp_path / "run", kind)
     info = export_checkpoint(ckpt, tmp_path / "out")
@@ -299,13 +299,13 @@ def test_tied_embeddings(tmp_path, kind):
         want = model(x)  # srelu24: dense, as transformers computes it
         back = load_exported(tmp_path / "out")
         assert back.output.weight is back.tok_embeddings.weight
-        model.set_sparse24(True)
+        model.set_2to4(True)
         assert torch.equal(back(x), model(x))  # srelu24: 2:4 on
-        back.set_sparse24(False)
+        back.set_2to4(False)
         assert torch.equal(back(x), want)
         transformers = pytest.importorskip("transformers")  # GQA (4 heads over 2) and tied embeddings
         hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-        assert type(hf).__name__ == ("LlamaForCausalLM" if kind == FFNKind.swiglu else "ArceeForCausalLM")
+        assert type(hf).__name__ == ("LlamaForCausalLM" if kind == "swiglu" else "ArceeForCausalLM")
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         assert hf.config.tie_word_embeddings and hf.config.eos_token_id is None
         assert hf.config.num_key_value_heads == 2 and hf.config.num_attention_heads == 4
@@ -328,7 +328,7 @@ def test_missing_checkpoint(tmp_path, capsys):
 
 
 def test_unreadable_checkpoint(tmp_path, capsys):
-    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", "srelu")
     (ckpt / "manifest.json").unlink()  # so that the damage below is found by reading, not by sha256
     (ckpt / ".metadata").write_bytes(b"not a checkpoint")
     assert script_main([ckpt, tmp_path / "out"]) == 2
@@ -344,7 +344,7 @@ def test_unreadable_checkpoint(tmp_path, capsys):
 
 
 def test_non_empty_out_dir_needs_force(tmp_path, capsys):
-    ckpt, model = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
+    ckpt, model = synthetic_checkpoint(tmp_path / "run", "srelu")
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
@@ -366,7 +366,7 @@ def test_non_empty_out_dir_needs_force(tmp_path, capsys):
 def test_load_exported_errors(tmp_path):
     with pytest.raises(ExportError, match="not an export directory"):
         load_exported(tmp_path)
-    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.srelu)
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", "srelu")
     export_checkpoint(ckpt, tmp_path / "out")
     (tmp_path / "out" / "model.safetensors").write_bytes(b"damaged")
     with pytest.raises(ExportError, match="cannot read"):
@@ -375,7 +375,7 @@ def test_load_exported_errors(tmp_path):
 
 def test_explicit_tokenizer_must_match_the_checkpoint(tmp_path, capsys, swiglu_export):
     tok = swiglu_export / "tokenizer.json"
-    ckpt, _ = synthetic_checkpoint(tmp_path / "run", FFNKind.swiglu)
+    ckpt, _ = synthetic_checkpoint(tmp_path / "run", "swiglu")
     state = load_checkpoint(ckpt)
     resave = lambda: save_checkpoint(tmp_path / "run", 3, {k: v for k, v in state.items()  # noqa: E731
                                                            if k not in ("format", "step", "world_size")})

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from helpers import run_train
-from model import FFNConfig, FFNKind, ModelConfig, ffn_hidden_dim
+from model import FFNConfig, ModelConfig, ffn_hidden_dim
 from training.config import ActivationCheckpointing, Strategy, TrainerConfig
 from training.memory import GiB, checkpoint_bytes, estimate
 
@@ -35,23 +35,23 @@ MEASURED = [  # (model, ffn, trainer, srelu24's 2:4 phase, GiB measured)
                          ids=[f"{m.name}x{m.n_layers}-{f}-{'2to4' if s else 'dense'}-{t.strategy.value}"
                               for m, f, t, s, _ in MEASURED])
 def test_estimate_matches_the_measured_peaks(model, ffn, trainer, sparse, gib):
-    e = estimate(model, FFNConfig(kind=FFNKind(ffn)), V, trainer, world_size=1, sparse_2to4=sparse)
+    e = estimate(model, FFNConfig(kind=ffn), V, trainer, world_size=1, sparse_2to4=sparse)
     # the requirement is 15%; the calibrated estimate is within 5% of every one of these
     assert e.peak / GiB == pytest.approx(gib, rel=0.05)
 
 
 def test_srelu24_keeps_nine_sixteenths_of_z_in_its_2to4_phase():
-    m, f = replace(M1B, n_layers=4), FFNConfig(kind=FFNKind.srelu24)
+    m, f = replace(M1B, n_layers=4), FFNConfig(kind="srelu24")
     dense, sparse = (estimate(m, f, V, BENCH_1B, sparse_2to4=s) for s in (False, True))
     h, T = ffn_hidden_dim(m, f), BENCH_1B.micro_batch_size * BENCH_1B.seq_len
     # dense warmup: Z and A (2 bytes each); 2:4: A24 = 9/16 of Z's 2 bytes
     assert dense.parts["activations"] - sparse.parts["activations"] == m.n_layers * T * h * (4 - 2 * 9 / 16)
-    srelu = estimate(m, FFNConfig(kind=FFNKind.srelu), V, BENCH_1B)
+    srelu = estimate(m, FFNConfig(kind="srelu"), V, BENCH_1B)
     assert srelu.parts == dense.parts
 
 
 def test_strategies_and_checkpointing_move_the_right_parts():
-    m, f = replace(M1B, n_layers=8), FFNConfig(kind=FFNKind.srelu)
+    m, f = replace(M1B, n_layers=8), FFNConfig(kind="srelu")
     one = estimate(m, f, V, TRAIN_1B, 1)
     fsdp = estimate(m, f, V, replace(TRAIN_1B, strategy=Strategy.fsdp), 8)
     for k in ("parameters (fp32)", "optimizer state (AdamW, fp32)", "gradients (fp32)"):
@@ -72,19 +72,19 @@ def test_strategies_and_checkpointing_move_the_right_parts():
 
 def test_checkpoint_bytes_are_weights_and_adamw():
     m = replace(M1B, n_layers=2)
-    e = estimate(m, FFNConfig(kind=FFNKind.srelu), V, TRAIN_1B)
-    assert checkpoint_bytes(m, FFNConfig(kind=FFNKind.srelu), V) == 3 * e.parts["parameters (fp32)"]
-    tied = checkpoint_bytes(replace(m, tie_embeddings=True), FFNConfig(kind=FFNKind.srelu), V)
-    assert checkpoint_bytes(m, FFNConfig(kind=FFNKind.srelu), V) - tied == 12 * V * m.dim
+    e = estimate(m, FFNConfig(kind="srelu"), V, TRAIN_1B)
+    assert checkpoint_bytes(m, FFNConfig(kind="srelu"), V) == 3 * e.parts["parameters (fp32)"]
+    tied = checkpoint_bytes(replace(m, tie_embeddings=True), FFNConfig(kind="srelu"), V)
+    assert checkpoint_bytes(m, FFNConfig(kind="srelu"), V) - tied == 12 * V * m.dim
 
 
 def test_dry_run_prints_the_memory_estimate():
-    r = run_train(["+experiment=sparse_1b", "trainer.dry_run=true", "trainer.strategy=fsdp",
+    r = run_train(["+experiment=srelu24_1b", "trainer.dry_run=true", "trainer.strategy=fsdp",
                    "trainer.activation_checkpointing=full"], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     assert "1 GPU(s), strategy fsdp, activation checkpointing full, micro-batch 8 x 2048" in out
-    e = estimate(M1B, FFNConfig(kind=FFNKind.srelu24), V, replace(TRAIN_1B, strategy=Strategy.fsdp,
+    e = estimate(M1B, FFNConfig(kind="srelu24"), V, replace(TRAIN_1B, strategy=Strategy.fsdp,
                  activation_checkpointing=ActivationCheckpointing.full), sparse_2to4=True)
     assert "peak (srelu24 2:4)" in out and f"{e.peak / GiB:.1f} GiB" in out
     for part in ("peak (srelu24 dense warmup)", "parameters (fp32)", "optimizer state (AdamW, fp32)",
@@ -106,13 +106,13 @@ def test_estimate_against_a_real_step_on_the_gpu(ffn):
     from training.optim import build_optimizer
     from model import Transformer
 
-    m, f, t = replace(M1B, n_layers=4), FFNConfig(kind=FFNKind(ffn)), replace(BENCH_1B, compile=True)
+    m, f, t = replace(M1B, n_layers=4), FFNConfig(kind=ffn), replace(BENCH_1B, compile=True)
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     model, step_module = build_model(lambda: Transformer(m, f, V), t, Dist(device=device), 0, False)
-    model.set_sparse24(ffn == "srelu24")
+    model.set_2to4(ffn == "srelu24")
     opt = build_optimizer(model, OptimConfig(), device)
     for _ in range(3):
         x = torch.randint(0, V, (t.micro_batch_size, t.seq_len + 1), device=device)

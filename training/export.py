@@ -38,7 +38,7 @@ import torch
 
 from data.errors import DataError
 from data.tokenizer import EOT, load_tokenizer, tokenizer_sha256
-from model import FFNConfig, FFNKind, ModelConfig, Transformer, ffn_hidden_dim
+from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim
 from model.transformer import HF_NAMES
 
 from .checkpoint import is_checkpoint, list_checkpoints, load_checkpoint
@@ -47,8 +47,8 @@ from .errors import CheckpointError
 WEIGHTS, HF_CONFIG = "model.safetensors", "config.json"
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 EXPORT_FILES = (WEIGHTS, HF_CONFIG, TOKENIZER, TOKENIZER_CONFIG)
-ARCHITECTURES = {FFNKind.swiglu: ("LlamaForCausalLM", "llama"), FFNKind.srelu: ("ArceeForCausalLM", "arcee"),
-                 FFNKind.srelu24: ("ArceeForCausalLM", "arcee")}
+ARCHITECTURES = {"swiglu": ("LlamaForCausalLM", "llama"), "srelu": ("ArceeForCausalLM", "arcee"),
+                 "srelu24": ("ArceeForCausalLM", "arcee")}
 SPARSITY_NOTE = ("Trained with 2:4 activation sparsity (of every 4 consecutive FFN hidden activations of a token, "
                  "the 2 largest are kept) from step dense_warmup_steps on. transformers' ArceeForCausalLM has no "
                  "2:4 forward: it computes the dense Squared-ReLU FFN with these weights, which is not the function "
@@ -64,9 +64,9 @@ class ExportError(Exception):
 # ---------------------------------------------------------------- names
 
 
-def hf_names(kind: FFNKind) -> dict:
+def hf_names(kind: str) -> dict:
     """Our parameter names -> transformers' ({i}: layer index). Arcee's MLP is non-gated: w1 is its up_proj."""
-    if kind == FFNKind.swiglu:
+    if kind == "swiglu":
         return HF_NAMES
     names = {k: v for k, v in HF_NAMES.items() if ".feed_forward." not in k}
     return {**names, "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.up_proj.weight",
@@ -78,7 +78,7 @@ def _template(name: str) -> tuple[str, Optional[str]]:
     return ("layers.{i}." + m.group(2), m.group(1)) if m else (name, None)
 
 
-def to_hf_name(name: str, kind: FFNKind = FFNKind.swiglu) -> str:
+def to_hf_name(name: str, kind: str = "swiglu") -> str:
     template, i = _template(name)
     names = hf_names(kind)
     if template not in names:
@@ -86,7 +86,7 @@ def to_hf_name(name: str, kind: FFNKind = FFNKind.swiglu) -> str:
     return names[template].format(i=i)
 
 
-def from_hf_name(name: str, kind: FFNKind = FFNKind.swiglu) -> str:
+def from_hf_name(name: str, kind: str = "swiglu") -> str:
     for ours, hf in hf_names(kind).items():
         m = re.match("^" + re.escape(hf).replace(r"\{i\}", r"(\d+)") + "$", name)
         if m:
@@ -123,8 +123,7 @@ def configs_of(state: dict, path: Path = Path("checkpoint")) -> tuple[ModelConfi
         raise ExportError(f"{path} holds no resolved model/ffn config (a checkpoint of an older trainer?)")
     try:
         mcfg = _dataclass_from(ModelConfig, cfg["model"])
-        fcfg = _dataclass_from(FFNConfig, cfg["ffn"])
-        fcfg.kind = FFNKind(fcfg.kind)
+        fcfg = _dataclass_from(FFNConfig, cfg["ffn"])  # an unregistered kind is a ValueError
     except (TypeError, ValueError) as e:
         raise ExportError(f"{path}: unusable model/ffn config: {e}") from e
     emb = state["model"].get("tok_embeddings.weight")
@@ -230,7 +229,7 @@ def hf_config(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, dtype: torch.dtype
     arch, model_type = ARCHITECTURES[fcfg.kind]
     cls = transformers.LlamaConfig if model_type == "llama" else transformers.ArceeConfig
     extra = {}
-    if fcfg.kind == FFNKind.srelu24:
+    if fcfg.kind == "srelu24":
         extra["sparsity_2to4"] = {"trained_with_2to4": True, "from_step": fcfg.dense_warmup_steps,
                                   "transformers_forward": "dense", "note": SPARSITY_NOTE}
     cfg = cls(vocab_size=vocab, hidden_size=mcfg.dim, intermediate_size=ffn_hidden_dim(mcfg, fcfg),
@@ -264,9 +263,9 @@ def val_loss_2to4_and_dense(model: Transformer, state: dict, checkpoint: Path, n
     batches = loader.fixed_batches(n_batches or loader.n_windows)
     out = {"val_windows": sum(len(x) for x, _ in batches), "seq_len": t["seq_len"]}
     for key, on in (("val_loss_2to4", True), ("val_loss_dense", False)):
-        model.set_sparse24(on)
+        model.set_2to4(on)
         out[key] = float(sum(model(x, y).item() * len(x) for x, y in batches) / out["val_windows"])
-    model.set_sparse24(False)
+    model.set_2to4(False)
     return out
 
 
@@ -304,6 +303,9 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "fp32", forc
     check_out_dir(out_dir, force)
     model, state, path = model_and_state(checkpoint)
     mcfg, fcfg = model.cfg, model.ffn_cfg
+    if fcfg.kind not in ARCHITECTURES:  # a newly registered FFN: say which transformers class fits it here
+        raise ExportError(f"ffn.kind={fcfg.kind} has no Hugging Face architecture to export to "
+                          f"(ARCHITECTURES: {', '.join(ARCHITECTURES)})")
     tok, tok_path, note = checkpoint_tokenizer(path, state, tokenizer)
     eos_id = tok.token_to_id(EOT) if tok is not None else None
 
@@ -317,14 +319,14 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "fp32", forc
                      "model": state["config"]["model"], "ffn": state["config"]["ffn"]}
     config = hf_config(mcfg, fcfg, model.vocab_size, torch_dtype, eos_id, exported_from)
     measured = None
-    if val_batches is not None and fcfg.kind == FFNKind.srelu24:
+    if val_batches is not None and fcfg.kind == "srelu24":
         measured = val_loss_2to4_and_dense(model, state, path, val_batches)
         config.sparsity_2to4.update(measured)
     try:
         files = _write(out_dir, tensors, config, tok_path if tok is not None else None, mcfg.max_seq_len, eos_id)
     except OSError as e:
         raise ExportError(f"cannot write {out_dir}: {e}") from e
-    return {"kind": fcfg.kind.value, "architecture": config.architectures[0], "checkpoint": str(path),
+    return {"kind": fcfg.kind, "architecture": config.architectures[0], "checkpoint": str(path),
             "step": state.get("step"), "dtype": DTYPE_NAMES[torch_dtype], "files": files,
             "tokenizer": str(tok_path) if tok is not None else None, "tokenizer_note": note, "val_loss": measured}
 
@@ -386,13 +388,12 @@ def config_from_hf(c: dict) -> tuple[ModelConfig, FFNConfig, int]:
         setattr(mcfg, field, value)  # HF's fields are what the weights were written for
     if model_type == "llama":
         mcfg.swiglu_hidden = c["intermediate_size"]
-    fcfg = _dataclass_from(FFNConfig, ours.get("ffn") or {"kind": "swiglu" if model_type == "llama" else "srelu"})
     try:
-        fcfg.kind = FFNKind(fcfg.kind)
-    except ValueError as e:
+        fcfg = _dataclass_from(FFNConfig, ours.get("ffn") or {"kind": "swiglu" if model_type == "llama" else "srelu"})
+    except (TypeError, ValueError) as e:
         raise ExportError(f"config.json: unusable exported_from.ffn: {e}") from e
-    if (fcfg.kind == FFNKind.swiglu) != (model_type == "llama"):
-        raise ExportError(f"config.json: exported_from.ffn.kind={fcfg.kind.value} does not fit model_type={model_type}")
+    if ARCHITECTURES.get(fcfg.kind, (None, None))[1] != model_type:
+        raise ExportError(f"config.json: exported_from.ffn.kind={fcfg.kind} does not fit model_type={model_type}")
     fcfg.hidden_dim = c["intermediate_size"]
     return mcfg, fcfg, c["vocab_size"]
 
@@ -421,7 +422,7 @@ def load_exported(out_dir: Path) -> Transformer:
     if set(missing) - allowed_missing or unexpected:
         raise ExportError(f"{out_dir / WEIGHTS} does not fit the config's model: missing "
                           f"{sorted(set(missing) - allowed_missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-    model.set_sparse24(bool(c.get("sparsity_2to4")))
+    model.set_2to4(bool(c.get("sparsity_2to4")))
     return model.eval()
 
 

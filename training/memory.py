@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from model import FFNConfig, FFNKind, ModelConfig, Transformer, ffn_hidden_dim
+from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim
 
 from .config import ActivationCheckpointing, Config, Strategy, TrainerConfig
 
@@ -49,7 +49,7 @@ GiB = 2 ** 30
 # calibrated (see the docstring): bytes per token and model dimension
 RESIDUAL_BACKWARD_BYTES_PER_D = 16   # a block's backward: fp32 incoming gradient, dq/dk/dv, fp32 dq accumulator
 BLOCK_GRAD_TRANSIENT_BYTES = 8       # per parameter of the block in backward, beside its fp32 .grad
-FFN_KEPT = {FFNKind.swiglu: 3.0, FFNKind.srelu: 2.0}  # bf16 hidden-sized tensors kept for the backward
+FFN_KEPT = {"swiglu": 3.0, "srelu": 2.0}  # bf16 hidden-sized tensors kept for the backward
 A24_OF_Z = 9 / 16                    # srelu24's compressed A24 against Z: half the values + 2 bits each
 
 
@@ -60,9 +60,6 @@ class MemoryEstimate:
     transient: str = ""       # which transient is the largest
     peak_phase: str = ""      # "backward" (start of the backward) or "optimizer step"
     peak: int = 0
-
-    def gib(self, key: str) -> float:
-        return self.parts[key] / GiB
 
 
 def _counts(model: Transformer) -> tuple[int, int, int]:
@@ -83,11 +80,12 @@ def block_activation_bytes(mcfg: ModelConfig, fcfg: FFNConfig, sparse_2to4: bool
     d = mcfg.dim
     d_kv = (mcfg.n_kv_heads or mcfg.n_heads) * (d // mcfg.n_heads)
     h = ffn_hidden_dim(mcfg, fcfg)
-    kind = FFNKind(fcfg.kind)
-    if kind == FFNKind.srelu24 and sparse_2to4:
+    kind = fcfg.kind
+    if kind == "srelu24" and sparse_2to4:
         ffn = A24_OF_Z * act_bytes * h
     else:
-        ffn = FFN_KEPT[FFNKind.srelu if kind == FFNKind.srelu24 else kind] * act_bytes * h
+        # a variant not listed is counted as swiglu, which keeps the most
+        ffn = FFN_KEPT.get("srelu" if kind == "srelu24" else kind, FFN_KEPT["swiglu"]) * act_bytes * h
     # residual stream in and after attention; their normalised copies; q, o and k, v
     return 2 * residual_bytes * d + 2 * act_bytes * d + act_bytes * (2 * d + 2 * d_kv) + ffn
 
@@ -100,8 +98,8 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     bf16: None = trainer.precision auto/bf16 (a GPU)."""
     if grad_accumulation is None:
         grad_accumulation = t.batch_size > t.micro_batch_size * world_size
-    kind = FFNKind(fcfg.kind)
-    sparse_2to4 = kind == FFNKind.srelu24 and (sparse_2to4 is None or sparse_2to4)
+    kind = fcfg.kind
+    sparse_2to4 = kind == "srelu24" and (sparse_2to4 is None or sparse_2to4)
     bf16 = t.precision != "fp32" if bf16 is None else bf16
     fsdp, ddp = t.strategy == Strategy.fsdp, t.strategy == Strategy.ddp
     shard = world_size if fsdp else 1
@@ -161,7 +159,7 @@ def dry_run_rows(cfg: Config, vocab: int) -> list[tuple[str, str]]:
     t = cfg.trainer
     world = world_size_of_launch(t)
     phases = [("", None)]
-    if FFNKind(cfg.ffn.kind) == FFNKind.srelu24:
+    if cfg.ffn.kind == "srelu24":
         phases = [(" (srelu24 dense warmup)", False), (" (srelu24 2:4)", True)]
     setup = (f"{world} GPU(s), strategy {t.strategy.value}, activation checkpointing "
              f"{t.activation_checkpointing.value}, micro-batch {t.micro_batch_size} x {t.seq_len}")
