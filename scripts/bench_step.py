@@ -38,6 +38,7 @@ from training.distributed import build_model, exit_process, setup, shutdown  # n
 from training.logger import environment  # noqa: E402
 from training.loop import autocast_for, use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
+from training.memory import estimate  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.step import StepParts, TrainState, train_step  # noqa: E402
 from training.gpu_clocks import ClockSampler, energy_during  # noqa: E402
@@ -224,7 +225,9 @@ def bench(cfg, args, d) -> dict:
     vocab = model_cfg.vocab_size or cfg.data.vocab_size
     bf16 = use_bf16(t.precision, device)
     fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"
-    model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab), t, d, 0, fsdp_bf16)
+    # token 0 stands for the end of text: document masking (model.attention=document) sees
+    # documents of --doc-len tokens
+    model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=0), t, d, 0, fsdp_bf16)
     opt = build_optimizer(model, cfg.optim, device)
     B, S = t.micro_batch_size, t.seq_len
     lr = cfg.optim.lr
@@ -237,7 +240,9 @@ def bench(cfg, args, d) -> dict:
     clock, rows = Clock(device), []
 
     def next_batch():
-        tokens = torch.randint(0, vocab, (B, S + 1)).to(device, non_blocking=True)
+        tokens = torch.randint(1, vocab, (B, S + 1))
+        tokens[:, ::args.doc_len] = 0  # a boundary every doc_len tokens
+        tokens = tokens.to(device, non_blocking=True)
         return tokens[:, :-1], tokens[:, 1:]
 
     def train_step_timed(log: bool = None) -> list[float]:
@@ -267,7 +272,9 @@ def bench(cfg, args, d) -> dict:
               "step_ms": step, "data_ms": data, "forward_ms": fw,
               "backward_ms": bw, "optimizer_ms": op, "tokens_per_s": tok_s,
               "mfu": size.flops_per_token * tok_s / d.world_size / peak if peak else None,
-              "peak_mem_gib": peak_mem}
+              "peak_mem_gib": peak_mem, "attention": getattr(model_cfg.attention, "value", model_cfg.attention),
+              "estimated_peak_gib": estimate(model_cfg, cfg.ffn, vocab, t, d.world_size, grad_accumulation=args.accum > 1,
+                                             sparse_2to4=cfg.ffn.kind == "srelu24").peak / 2**30}
     if clocks is not None:  # a power-capped GPU: which variant lowers the clock for everything
         result["clocks"] = clocks.summary()
         if "energy_j" in result["clocks"]:
@@ -296,6 +303,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0, help="cut the layer count (per-layer figures still hold)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--doc-len", type=int, default=1024, help="tokens per document of the random batches "
+                    "(an end-of-text token every DOC_LEN; what model.attention=document masks at)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step and rank (gradient accumulation)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda (each rank takes cuda:LOCAL_RANK)")
     ap.add_argument("--no-compile", action="store_true")
@@ -313,6 +322,8 @@ def main() -> int:
                     help="only redraw the kernel-category figure of a saved --profile result, next to it")
     ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=srelu24_1b")
     args = ap.parse_intermixed_args()  # Hydra overrides may come before or after the flags
+    if args.doc_len <= 0 or args.accum <= 0 or args.steps <= 0:
+        ap.error(f"--doc-len, --accum and --steps must be positive; got {args.doc_len}, {args.accum}, {args.steps}")
     if args.replot:
         print(f"wrote {plot_kernels(args.replot)}")
         return 0
@@ -406,14 +417,15 @@ def report(args, results: list[dict], device: torch.device) -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{' '.join(args.override)} on {r0['world_size']} x {where} ({r0['strategy']}, micro-batch "
           f"{r0['micro_batch']} x {r0['seq_len']} per rank{cut})")
-    print("| ffn | step (ms) | data | forward | backward | optimizer | tokens/s | vs first | MFU | peak mem (GiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| ffn | step (ms) | data | forward | backward | optimizer | tokens/s | vs first | MFU | peak mem (GiB) "
+          "| estimated (GiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] else "-"
         print(f"| {r['ffn']} | {r['step_ms']:.1f} | {r['data_ms']:.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} "
               f"| {r['optimizer_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r0['tokens_per_s']:.2f}x "
-              f"| {mfu} | {mem} |")
+              f"| {mfu} | {mem} | {r['estimated_peak_gib']:.1f} |")
     if any(r.get("clocks", {}).get("samples") for r in results):
         print("\nclocks over the timed steps (NVML medians; joules from its energy counter): "
               + "; ".join(f"{r['ffn']} {r['clocks'].get('sm_clock_mhz')} MHz, {r['clocks'].get('power_w')} W, "

@@ -29,7 +29,7 @@ from .errors import TrainingError
 from .logger import RunLogger, environment
 from .memory import dry_run_rows
 from .gpu_clocks import ClockSampler
-from .metrics import Throughput
+from .metrics import Throughput, peak_info
 from .optim import build_optimizer, lr_at
 from .step import StepParts, TrainState, train_step
 from .validate import resolve_vocab_size, total_steps, validate
@@ -74,7 +74,8 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     vocab_size = resolve_vocab_size(cfg.model, manifest.vocab_size)
     bf16 = use_bf16(t.precision, device)
     fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"  # FSDP's mixed precision, not autocast
-    model, train_module = build_model(lambda: Transformer(cfg.model, cfg.ffn, vocab_size), t, d, t.seed, fsdp_bf16)
+    model, train_module = build_model(lambda: Transformer(cfg.model, cfg.ffn, vocab_size, eot_id=manifest.eot_id), t, d,
+                                      t.seed, fsdp_bf16)
     size = model_size(model, t.seq_len)
     optimizer = build_optimizer(model, cfg.optim, device)
     accum = t.batch_size // (t.micro_batch_size * d.world_size)
@@ -106,7 +107,8 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     info = {"vocab_size": vocab_size, "ffn_hidden": ffn_hidden_dim(cfg.model, cfg.ffn), "total_steps": steps,
             "grad_accum": accum, "tokens_per_step": tokens_per_step, "device": str(device),
             "strategy": t.strategy.value, "world_size": d.world_size,
-            "params": asdict(size), "flops_per_token": size.flops_per_token, "shard_dir": str(shard_dir),
+            "params": asdict(size), "flops_per_token": size.flops_per_token, "mfu_peak": peak_info(device),
+            "shard_dir": str(shard_dir),
             "environment": environment()}
     err, logger = None, None
     try:  # rank 0 writes files and starts wandb; a failure there must stop every rank, not strand them
@@ -144,7 +146,8 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             "model": model_sd, "optimizer": optim_sd, "rank": {"loader": state.loader.state_dict(), "rng": rng_state()},
             "model_shape": model_shape(model), "config": resolved, "strategy": t.strategy.value,
             "elapsed_s": meter.elapsed(), "skipped_steps": state.skipped_steps,
-            "data": {"tokenizer_sha256": manifest.tokenizer_sha256, "vocab_size": manifest.vocab_size}})
+            "data": {"tokenizer_sha256": manifest.tokenizer_sha256, "vocab_size": manifest.vocab_size,
+                     "eot_id": manifest.eot_id}})
 
     def evaluate() -> float:
         model.eval()  # every rank runs the same fixed batches (FSDP needs all ranks in each forward)
