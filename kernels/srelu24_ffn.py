@@ -3,10 +3,11 @@ kernels/cusparselt.py; algorithm ids from torch's search).
 
 Same function as kernels.srelu24_reference.srelu24_ffn (its reference), GEMM by GEMM:
 
-    forward   Z = X W1^T (dense); A24 = fused srelu + 2:4 + compress; Y = A24 W2^T (sparse);
+    forward   Z = X W1^T (dense; in float8 under trainer.float8: kernels/fp8_gemm.py);
+              A24 = fused srelu + 2:4 + compress; Y = A24 W2^T (sparse);
               compressed A24 kept for the backward (9/16 of Z's bytes; Z where the CUDA kernels
               are not built, the Triton backward reads Z)
-    backward  dA = dY W2 (dense)
+    backward  dA = dY W2 (dense; float8 as Z)
               dX = dZ W1                 sparse: dZ compressed with the forward positions
                                          (dense GEMM when reuse_forward_mask is off)
               dW2 = dY^T S(A24)          sparse: S()^T tokens permuted, dense features zeroed
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import fp8_gemm
 from .cusparselt import cached_mm, torch_mm
 from .ffn_stats import N_SUMS, srelu24_sums_from_counts
 from .srelu24_reference import SReLU24Recipe, densest_from_counts, random_token_order
@@ -76,18 +78,24 @@ def _check_bf16(op: str, **tensors: Tensor) -> None:
 # The FFN as two torch.library custom ops (forward, backward) tied by register_autograd:
 # torch.compile keeps them whole in its graph (no graph break) and traces around them with the
 # fake (meta) versions below; FSDP2 hands them plain, all-gathered weights. Inputs are bf16
-# (srelu24_ffn_kernels casts); the recipe travels as plain bool/float arguments.
+# (srelu24_ffn_kernels casts); the recipe travels as plain bool/float arguments, and `float8`
+# ("none" | "tensorwise" | "rowwise", set by training/float8.py) picks the dense GEMMs' precision.
+
+def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool) -> Tensor:
+    return a @ b if float8 == "none" else fp8_gemm.mm(a, b, float8, grad)
+
 
 @torch.library.custom_op("srelu24::srelu24_ffn_fwd", mutates_args=())
 def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dense_feature_fraction: float,
-                    token_permutation: bool, reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    token_permutation: bool, reuse_forward_mask: bool,
+                    float8: str = "none") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d], what the backward reads (`keeps_a24`: compressed A24 [padded_rows(T), 9F/16],
     else Z [T, F]), kept non-zeros per feature [F] int32, the statistics row [N_SUMS] float64,
     empty unless collect_stats). The last two switches are the backward's, passed here so that
     the op's inputs hold the whole recipe."""
     _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T = x.shape[0]
-    z = x @ w1.t()
+    z = _dense_mm(x, w1.t(), float8, grad=False)
     # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
     totals = torch.zeros(3, dtype=torch.float64, device=z.device) if collect_stats else None
     buf, counts = srelu_sparsify_2to4(z, totals=totals)
@@ -99,7 +107,7 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
 
 
 @srelu24_ffn_fwd.register_fake
-def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask):
+def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask, float8="none"):
     _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T, F_ = x.shape[0], w1.shape[0]
     saved = (x.new_empty(padded_rows(T), F_ * 9 // 16) if keeps_a24(x, w1, reuse_forward_mask)
@@ -118,13 +126,13 @@ def keeps_a24(x: Tensor, w1: Tensor, reuse_forward_mask: bool) -> bool:
 @torch.library.custom_op("srelu24::srelu24_ffn_bwd", mutates_args=())
 def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
                     token_permutation: bool, dense_feature_fraction: float,
-                    reuse_forward_mask: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    reuse_forward_mask: bool, float8: str = "none") -> tuple[Tensor, Tensor, Tensor]:
     """(dX, dW1, dW2), all bf16. saved: the forward's compressed A24 or Z (srelu24_ffn_fwd)."""
     _check_bf16("srelu24_ffn_bwd", x=x, w1=w1, w2=w2, saved=saved)
     T, F_ = x.shape[0], w1.shape[0]
     from_a24 = saved.shape[1] != F_  # A24 is [padded T, 9F/16]
     dy = dy.to(torch.bfloat16).contiguous()
-    da = dy @ w2                                           # [T, F] dense
+    da = _dense_mm(dy, w2, float8, grad=True)              # [T, F] dense
     perm = random_token_order(T, x.device) if token_permutation else None
     dense = densest_from_counts(counts, dense_feature_fraction)
     slots = dense_slots(dense, F_, x.device)[0] if dense is not None else None
@@ -156,12 +164,12 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
 
 
 @srelu24_ffn_bwd.register_fake
-def _(dy, x, w1, w2, saved, counts, token_permutation, dense_feature_fraction, reuse_forward_mask):
+def _(dy, x, w1, w2, saved, counts, token_permutation, dense_feature_fraction, reuse_forward_mask, float8="none"):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask = inputs
+    x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask, ctx.float8 = inputs
     _, saved, counts, _ = output
     ctx.save_for_backward(x, w1, w2, saved, counts)
     # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
@@ -171,23 +179,25 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts and the row do not
     if dy is None:  # Y unused by the loss (grads are not materialised)
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     x, w1, w2, saved, counts = ctx.saved_tensors
     dx, dw1, dw2 = srelu24_ffn_bwd(dy, x, w1, w2, saved, counts, ctx.token_permutation, ctx.dense_feature_fraction,
-                                   ctx.reuse_forward_mask)
-    return dx, dw1, dw2, None, None, None, None
+                                   ctx.reuse_forward_mask, ctx.float8)
+    return dx, dw1, dw2, None, None, None, None, None
 
 
 srelu24_ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe, stats=None) -> Tensor:
-    """The srelu24 FFN on x [..., d]; adds this call's statistics row to `stats` when given."""
+def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe, stats=None,
+                        float8: str = "none") -> Tensor:
+    """The srelu24 FFN on x [..., d]; adds this call's statistics row to `stats` when given.
+    float8: the dense GEMMs' recipe (trainer.float8), "none" for bf16."""
     shape = x.shape
     dt = torch.bfloat16  # casts outside the ops: autograd returns fp32 gradients to fp32 weights
     y, _, _, row = srelu24_ffn_fwd(x.reshape(-1, shape[-1]).to(dt), w1.to(dt), w2.to(dt), stats is not None,
                                    recipe.dense_feature_fraction, recipe.token_permutation,
-                                   recipe.reuse_forward_mask)
+                                   recipe.reuse_forward_mask, float8)
     if stats is not None:
         stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])

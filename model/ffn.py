@@ -138,6 +138,7 @@ class SReLU24(SReLU):
         self.recipe = recipe
         self.sparse = False
         self.kernels = kernels
+        self.float8 = "none"  # the kernels' dense GEMMs in float8: trainer.float8, set by training/float8.py
 
     @classmethod
     def from_config(cls, dim: int, hidden: int, cfg) -> "SReLU24":
@@ -157,7 +158,7 @@ class SReLU24(SReLU):
             stats = self.stats if self.collect_stats else None
             recipe = replace(self.recipe, token_permutation=False) if tokens_permuted else self.recipe
             if self.kernels and kernels_available(x):
-                return srelu24_ffn_kernels(x, self.w1.weight, self.w2.weight, recipe, stats)
+                return srelu24_ffn_kernels(x, self.w1.weight, self.w2.weight, recipe, stats, self.float8)
             warn_reference_path_once()
             return srelu24_ffn(x, self.w1.weight, self.w2.weight, recipe, stats)
         a = self.activation(x)

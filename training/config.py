@@ -38,6 +38,12 @@ class Strategy(str, Enum):
     fsdp = "fsdp"  # FSDP2 fully_shard: parameters, gradients and optimizer state sharded per block
 
 
+class Float8(str, Enum):
+    none = "none"              # bf16 (or fp32) GEMMs
+    tensorwise = "tensorwise"  # torchao's recipe: one scale per tensor (training/float8.py)
+    rowwise = "rowwise"        # torchao's recipe: one scale per row, power-of-2 scales, e4m3 gradients
+
+
 class ActivationCheckpointing(str, Enum):
     none = "none"
     selective = "selective"  # every other block (0, 2, 4, ...) recomputed in backward
@@ -65,6 +71,7 @@ class TrainerConfig:
     compile: bool = False        # torch.compile per block and of the loss head
     strategy: Strategy = Strategy.none  # none | ddp | fsdp (docs/DISTRIBUTED.md)
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none  # none | selective | full
+    float8: Float8 = Float8.none  # none | tensorwise | rowwise: float8 linears via torchao (GPUs of sm89+)
     dist_timeout_s: int = 1800   # a collective that waits longer than this ends the run (a lost rank)
     dry_run: bool = False        # build on the meta device, print sizes and FLOPs, exit
     progress: bool = True

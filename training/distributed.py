@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from . import float8
 from .config import ActivationCheckpointing, Strategy, TrainerConfig
 from .errors import ConfigError
 
@@ -158,16 +159,19 @@ def exit_process(code) -> None:
 
 def build_model(make, t: TrainerConfig, d: Dist, seed: int, bf16_params: bool) -> tuple[nn.Module, nn.Module]:
     """Build on the meta device, then transform in this order (torchtitan's):
-    1. activation checkpointing (trainer.activation_checkpointing),
-    2. torch.compile of each block and of the loss head (trainer.compile),
-    3. sharding: fully_shard of each block, then of the root (fsdp),
-    4. materialise: to_empty on the device, then the model's own reset_parameters from `seed`
+    1. float8 conversion of the linears (trainer.float8, training/float8.py),
+    2. activation checkpointing (trainer.activation_checkpointing),
+    3. torch.compile of each block and of the loss head (trainer.compile),
+    4. sharding: fully_shard of each block, then of the root (fsdp),
+    5. materialise: to_empty on the device, then the model's own reset_parameters from `seed`
        (whole tensors from the CPU RNG: the same weights for any strategy and world size),
-    5. DistributedDataParallel around it (ddp).
+    6. DistributedDataParallel around it (ddp).
     Returns (model, train_module): the model (its parameter names never change: checkpoints,
     export and evaluation use it) and what a training step calls (DDP's wrapper, or the model)."""
+    float8.check(t.float8, d.device)  # before any work: a one-line error where float8 cannot run
     with torch.device("meta"):
         model = make()
+    float8.convert(model, t.float8, fsdp=t.strategy == Strategy.fsdp)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile:
         for block in model.layers:
