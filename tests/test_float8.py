@@ -168,18 +168,27 @@ def test_float8_training_follows_bf16_on_cpu(monkeypatch, kind, recipe):
     assert got != ref and all(abs(a - b) / b < 0.02 for a, b in zip(got, ref)), (got, ref)
 
 
-@pytest.mark.slow
-def test_fsdp_float8_all_gather_on_two_processes():
-    """tests/float8_fsdp_model.py under torchrun (2 CPU processes, gloo): FSDP2 with tensorwise
-    float8 all-gather and the scales precomputed after each step, against the unsharded model."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "float8_fsdp_model.py")]
+def run_fsdp_model(nproc: int, *args: str) -> None:
+    """tests/float8_fsdp_model.py under torchrun: FSDP2 with tensorwise float8 all-gather and the
+    scales precomputed after each step, against the unsharded model."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / "tests" / "float8_fsdp_model.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    for rank in (0, 1):
+    for rank in range(nproc):
         assert f"rank {rank}: 3 steps equal to the unsharded model, scales of the whole weights" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_fsdp_float8_all_gather_on_two_processes():
+    run_fsdp_model(2)  # CPU, gloo
+
+
+@pytest.mark.gpu
+def test_fsdp_float8_all_gather_compiled_on_one_gpu():
+    run_fsdp_model(1, "cuda")  # NCCL, compiled blocks
 
 
 # ---------------------------------------------------------------- srelu24's float8 GEMMs
