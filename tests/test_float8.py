@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import kernels.fp8_gemm as fp8
 from helpers import EXPERIMENTS, ROOT, compose_config, run_train, tiny_overrides, to_object, with_cache
-from model import FFNConfig, FFNKind, ModelConfig, Transformer
+from model import FFNConfig, ModelConfig, Transformer
 from training import float8
 from training.config import Float8, OptimConfig, Strategy, TrainerConfig
 from training.distributed import Dist, build_model
@@ -25,7 +25,7 @@ TINY = ModelConfig(name="t", dim=64, n_layers=2, n_heads=2, swiglu_hidden=128, m
 
 def meta_model(kind: str, cfg: ModelConfig = TINY, vocab: int = 96) -> Transformer:
     with torch.device("meta"):
-        return Transformer(cfg, FFNConfig(kind=FFNKind(kind)), vocab)
+        return Transformer(cfg, FFNConfig(kind=kind), vocab)
 
 
 def linear_types(model: nn.Module) -> dict:
@@ -70,8 +70,8 @@ def test_linears_with_a_dim_not_divisible_by_16_stay_bf16():
 
 def test_none_converts_nothing_and_imports_no_torchao():
     code = ("import sys, torch; from training import float8; from training.config import Float8; "
-            "from model import FFNConfig, FFNKind, ModelConfig, Transformer; "
-            "m = Transformer(ModelConfig(dim=64, n_layers=1, n_heads=2), FFNConfig(kind=FFNKind.srelu24), 96); "
+            "from model import FFNConfig, ModelConfig, Transformer; "
+            "m = Transformer(ModelConfig(dim=64, n_layers=1, n_heads=2), FFNConfig(kind='srelu24'), 96); "
             "float8.convert(m, Float8.none, fsdp=True); float8.float8_after_optimizer_step(m); "
             "assert all(type(x) is torch.nn.Linear for x in m.modules() if isinstance(x, torch.nn.Linear)); "
             "assert m.layers[0].feed_forward.float8 == 'none'; assert 'torchao' not in sys.modules; print('ok')")
@@ -152,7 +152,7 @@ def test_float8_training_follows_bf16_on_cpu(monkeypatch, kind, recipe):
     losses = {}
     for r in (Float8.none, recipe):
         t = TrainerConfig(float8=r, device="cpu")
-        model, _ = build_model(lambda: Transformer(TINY, FFNConfig(kind=FFNKind(kind)), 96), t, Dist(), 0, False)
+        model, _ = build_model(lambda: Transformer(TINY, FFNConfig(kind=kind), 96), t, Dist(), 0, False)
         opt = build_optimizer(model, OptimConfig(lr=3e-3, warmup_steps=0), torch.device("cpu"))
         losses[r] = []
         for _ in range(6):
@@ -277,7 +277,7 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
     Z = X W1^T (forward) and dA = dY W2 (backward, as a gradient) and nothing else; its output and
     gradients stay near the bf16 op's."""
     import kernels.srelu24_ffn as K
-    from model.sparse24 import Sparse24Recipe
+    from kernels.srelu24_reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     calls, real = [], fp8.mm
@@ -294,7 +294,7 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
     outs = {}
     for setting in ("none", recipe):
         xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
-        y = K.srelu24_ffn_kernels(xx, a, b, Sparse24Recipe(False, 0.05, True), None, setting)
+        y = K.srelu24_ffn_kernels(xx, a, b, SReLU24Recipe(False, 0.05, True), None, setting)
         y.backward(dy)
         outs[setting] = [y, xx.grad, a.grad, b.grad]
     assert calls == [((100, 64), (64, 128), recipe, False), ((100, 64), (64, 128), recipe, True)]
@@ -305,7 +305,7 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
 
 def test_srelu24_op_with_float8_passes_opcheck_and_compiles_in_one_graph(monkeypatch):
     import kernels.srelu24_ffn as K
-    from model.sparse24 import Sparse24Recipe
+    from kernels.srelu24_reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     g = torch.Generator().manual_seed(5)
@@ -315,7 +315,7 @@ def test_srelu24_op_with_float8_passes_opcheck_and_compiles_in_one_graph(monkeyp
     torch.library.opcheck(K.srelu24_ffn_fwd, (x, w1, w2, False, 0.05, False, True, "rowwise"))
 
     def ffn(xx, a, b):
-        return K.srelu24_ffn_kernels(xx, a, b, Sparse24Recipe(False, 0.05, True), None, "tensorwise")
+        return K.srelu24_ffn_kernels(xx, a, b, SReLU24Recipe(False, 0.05, True), None, "tensorwise")
 
     torch._dynamo.reset()
     want = ffn(x, w1, w2)
@@ -392,7 +392,7 @@ def test_srelu24_kernels_in_float8_on_cuda_follow_bf16(recipe):
     """The real 2:4 kernels and cuSPARSELt with the dense GEMMs in float8: output and gradients
     close to the bf16 op's."""
     import kernels.srelu24_ffn as K
-    from model.sparse24 import Sparse24Recipe
+    from kernels.srelu24_reference import SReLU24Recipe
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2048, 256, generator=g).bfloat16().cuda()
@@ -401,7 +401,7 @@ def test_srelu24_kernels_in_float8_on_cuda_follow_bf16(recipe):
     outs = {}
     for setting in ("none", recipe):
         xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
-        y = K.srelu24_ffn_kernels(xx, a, b, Sparse24Recipe(), None, setting)
+        y = K.srelu24_ffn_kernels(xx, a, b, SReLU24Recipe(), None, setting)
         torch.manual_seed(3)  # the same token permutation
         y.backward(dy)
         outs[setting] = [y, xx.grad, a.grad, b.grad]
@@ -423,9 +423,9 @@ def test_compiled_float8_training_on_cuda_follows_bf16(kind, recipe):
     losses = {}
     for r in (Float8.none, recipe):
         t = TrainerConfig(float8=r, compile=True, device="cuda")
-        model, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=FFNKind(kind)), 1024), t,
+        model, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=kind), 1024), t,
                                Dist(device=device), 0, False)
-        model.set_sparse24(kind == "srelu24")
+        model.set_2to4(kind == "srelu24")
         opt = build_optimizer(model, OptimConfig(lr=1e-3, warmup_steps=0), device)
         g = torch.Generator().manual_seed(8)
         batches = [torch.randint(0, 1024, (8, 257), generator=g).to(device) for _ in range(4)]
