@@ -2,7 +2,7 @@
 scripts/bench_step.py times, so that the benchmark measures what training runs.
 
     sparsity switch -> LR -> micro-batches (forward, backward, gradient accumulation)
-    -> clip -> non-finite check (every rank agrees) -> AdamW -> statistics (logged steps only)
+    -> clip -> non-finite check (every rank agrees) -> AdamW (-> float8 scales) -> statistics (logged steps only)
 """
 import math
 import sys
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .distributed import Dist, agree, clip_grad_norm, local, sum_over_ranks
 from .errors import TrainingError
+from .float8 import float8_after_optimizer_step
 
 
 @dataclass
@@ -103,6 +104,7 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
     nonfinite, stop = agree([not torch.isfinite(grad_norm).item(), stop_requested()], d)
     if not nonfinite:  # a NaN never reaches the weights
         p.optimizer.step()
+        float8_after_optimizer_step(model)  # FSDP2 + tensorwise float8: the next all-gathers' scales
     elif p.nonfinite == "stop":
         raise TrainingError(nonfinite_report(step + 1, loss_sum / p.accum, model))
     else:
