@@ -142,7 +142,7 @@ def check_config(cfg: Config, world_size: int = 1, rank: int = 0) -> None:
                               f"{', '.join(GUARDED)} and the keys under them")
     if rank == 0:
         for warning in startup_warnings(cfg):
-            log.warning(f"warning: {warning}")
+            log.warning(warning)
 
 
 def startup_warnings(cfg: Config) -> list[str]:

@@ -134,14 +134,17 @@ def end_summary(run_dir: Path, summary: dict) -> str:
 
 
 class ConsoleHandler(logging.Handler):
-    """Messages as plain lines, INFO to stdout and warnings and errors to stderr, written through
-    tqdm so that a progress bar is cleared and redrawn instead of broken."""
+    """Messages as plain lines, INFO to stdout and warnings (as `warning: ...`) and errors to
+    stderr, written through tqdm so that a progress bar is cleared and redrawn instead of broken."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=sys.stderr if record.levelno >= logging.WARNING else sys.stdout)
+            line = self.format(record)
+            if record.levelno == logging.WARNING and not line.startswith("warning: "):
+                line = f"warning: {line}"
+            tqdm.write(line, file=sys.stderr if record.levelno >= logging.WARNING else sys.stdout)
         except Exception:  # noqa: BLE001 - logging must not raise
             self.handleError(record)
 
