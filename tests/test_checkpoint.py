@@ -282,3 +282,19 @@ def test_too_little_space_is_one_line_naming_bytes_and_settings(tmp_path, monkey
                  "trainer.ckpt_every", "hydra.run.dir", "trainer.check_space=false", str(tmp_path / "checkpoints")):
         assert part in msg, (part, msg)
     ck.Checkpointer(tmp_path, keep_last=2, asynchronous=False).check_space(model, 0, 1000, 100)  # 3 copies fit
+
+
+def test_background_saves_warn_when_the_host_copy_does_not_fit(tmp_path, monkeypatch, caplog):
+    model, _ = trained()
+    each = 3 * sum(p.numel() * 4 for p in model.parameters())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(ck, "_available_host_bytes", lambda: 8 * each - 1)
+    ck.Checkpointer(tmp_path, 1, asynchronous=True).check_space(model, 0, 10, 5)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "(8 on this host)" in warned[0] and "trainer.async_checkpoint=false" in warned[0]
+    caplog.clear()
+    monkeypatch.setattr(ck, "_available_host_bytes", lambda: 8 * each)
+    ck.Checkpointer(tmp_path, 1, asynchronous=True).check_space(model, 0, 10, 5)
+    monkeypatch.setattr(ck, "_available_host_bytes", lambda: 0)
+    ck.Checkpointer(tmp_path, 1, asynchronous=False).check_space(model, 0, 10, 5)  # no host copy
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

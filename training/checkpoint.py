@@ -348,6 +348,10 @@ class Checkpointer:
         err = broadcast_object(err, current())
         if err:
             raise CheckpointError(err)
+        if self.asynchronous and _ranks()[0] == 0:
+            warning = host_memory_warning(model)
+            if warning:
+                log.warning(warning)
 
     def save(self, step: int, state: dict) -> None:
         """Save `state` (as save_checkpoint takes it) as step `step`."""
@@ -435,6 +439,31 @@ def checkpoint_bytes(model: torch.nn.Module, optimizer: str = "adamw", world_siz
             if p.requires_grad:  # exp_avg, exp_avg_sq, and step (a float32 scalar)
                 total += 2 * p.numel() * p.element_size() + 4 + 3 * BYTES_PER_TENSOR
     return total
+
+
+def host_memory_warning(model: torch.nn.Module) -> Optional[str]:
+    """A background save keeps a host copy of each process's model and optimizer state (each
+    rank's shard under FSDP, everything under DDP): a warning when the processes of this node
+    would need more than the host's available memory."""
+    from .distributed import local
+
+    each = sum(3 * local(p).numel() * p.element_size() for p in model.parameters())  # weights + AdamW's 2
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available = _available_host_bytes()
+    if available is None or each * procs <= available:
+        return None
+    return (f"background checkpoints copy {each / 1e9:.3g} GB per process ({procs} on this host) into host memory, "
+            f"{available / 1e9:.3g} GB are available; set trainer.async_checkpoint=false if the host runs short")
+
+
+def _available_host_bytes() -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def saves_ahead(start: int, steps: int, ckpt_every: int, stop_at_step: int = -1) -> int:
