@@ -341,8 +341,11 @@ class Checkpointer:
         err = None
         if _ranks()[0] == 0:
             try:
-                check_space(self.run_dir, checkpoint_bytes(model, "adamw", _ranks()[1]),
-                            saves_ahead(start, steps, ckpt_every, stop_at_step), self.keep_last, ckpt_every)
+                each = checkpoint_bytes(model, "adamw", _ranks()[1])
+                check_space(self.run_dir, each, saves_ahead(start, steps, ckpt_every, stop_at_step), self.keep_last,
+                            ckpt_every)
+                log.info(f"checkpoints: about {each / 1e9:.3g} GB each (estimate), "
+                         f"{shutil.disk_usage(self.run_dir).free / 1e9:.3g} GB free in {self.run_dir}")
             except (CheckpointError, OSError) as e:
                 err = str(e)
         err = broadcast_object(err, current())
