@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from data.errors import DataError
-from training.cli import check_overrides
+from training.cli import check_overrides, one_line_errors, run_name
 from training.config import register_configs
 from training.errors import CheckpointError, ConfigError, TrainingError
 
@@ -23,15 +23,14 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="config")
 def main(cfg: DictConfig) -> None:
+    from training.logger import console_logging
     from training.loop import train  # after Hydra has parsed the command line: --help stays fast
 
+    console_logging()
     hc = HydraConfig.get()
-    run_name = hc.job.override_dirname or cfg.name
-    try:
-        train(cfg, Path(hc.runtime.output_dir), run_name)
-    except (ConfigError, DataError, CheckpointError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_dir = Path(hc.runtime.output_dir)
+    with one_line_errors(run_dir, (ConfigError, DataError, CheckpointError, TrainingError)):
+        train(cfg, run_dir, run_name(list(hc.overrides.task), cfg.name))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ configs/ffn/ (`kind: name`). A class declares what the rest of the model needs o
   Transformer.reset_parameters initialises with the smaller residual std;
 - `set_2to4(active)`: switch 2:4 on or off (a no-op but for the 2:4 variants).
 Weight names follow Llama (w1 gate/in, w2 out, w3 up)."""
-import warnings
+import logging
 from dataclasses import replace
 
 import torch
@@ -194,7 +194,8 @@ def warn_reference_path_once() -> None:
     """Where the kernels cannot run, srelu24 runs its PyTorch reference. Say so once per process."""
     global _warned
     if not _warned:
-        warnings.warn("srelu24: using the pure-PyTorch 2:4 reference (the fused kernels need CUDA sm80/sm90 "
-                      "and ffn.kernels=true); it computes the same function but is slower than dense srelu",
-                      stacklevel=2)
+        # through logging: one clean line (train.log too), not a warning with a source line mid-progress-bar
+        logging.getLogger(__name__).warning(
+            "srelu24: using the pure-PyTorch 2:4 reference (the fused kernels need CUDA sm80/sm90 and "
+            "ffn.kernels=true); it computes the same function but is slower than dense srelu")
         _warned = True

@@ -152,3 +152,153 @@ def test_batch_not_divisible_by_micro_batch(tmp_path):
     r = run_train(["trainer.batch_size=10", "trainer.micro_batch_size=4", "trainer.dry_run=true",
                    f"hydra.run.dir={tmp_path}"])
     assert r.returncode == 2 and "trainer.batch_size=10" in r.stderr
+
+
+# ---------------------------------------------------------------- every numeric setting's range
+
+def _invalid(key: str):
+    """A value just outside the range RANGES gives `key`, of the field's type."""
+    from training.config_checks import RANGES
+
+    r, is_int = RANGES[key], _field_type(key) is int
+    if r.lo != float("-inf"):
+        v = r.lo if r.lo_open else r.lo - (1 if is_int else 0.5)
+    else:
+        v = r.hi if r.hi_open else r.hi + 1
+    assert v not in r.also
+    return int(v) if is_int else float(v)
+
+
+def _field_type(key: str):
+    from dataclasses import fields
+    from typing import Optional, get_args
+
+    from training.config import Config
+
+    node = Config
+    *groups, name = key.split(".")
+    for g in groups:
+        node = next(f for f in fields(node) if f.name == g).default_factory
+    t = next(f for f in fields(node) if f.name == name).type
+    return int if t in (int, Optional[int]) else float if t in (float, Optional[float]) else get_args(t)
+
+
+def test_every_numeric_setting_of_every_schema_has_a_range():
+    """A numeric field added to a schema without a range in training/config_checks.RANGES fails here."""
+    from training.config_checks import RANGES, numeric_fields
+
+    fields_ = numeric_fields()
+    assert len(fields_) > 40 and {"model.dim", "data.val_fraction", "optim.lr", "trainer.batch_size"} <= set(fields_)
+    assert sorted(fields_) == sorted(RANGES)
+
+
+def _numeric_keys():
+    from training.config_checks import numeric_fields
+
+    return numeric_fields()
+
+
+@pytest.mark.parametrize("key", _numeric_keys())
+def test_out_of_range_setting_is_one_line_and_exit_2(key, tmp_path, capsys):
+    """The path train.py takes (training.loop.train inside cli.one_line_errors), in this process."""
+    from training.cli import one_line_errors
+    from training.config_checks import RANGES
+    from training.errors import ConfigError
+    from training.loop import train
+
+    value = _invalid(key)
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)  # what Hydra leaves before the job runs
+    (run_dir / "train.log").write_text("")
+    with pytest.raises(SystemExit) as e, one_line_errors(run_dir, (ConfigError,)):
+        train(compose_config([f"{key}={value}", "logging.wandb.mode=disabled"]), run_dir, "t")
+    assert e.value.code == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == [f"error: {key}={value} is out of range: valid is {RANGES[key]}"]
+    assert not run_dir.exists()  # a rejected run leaves no run directory
+
+
+@pytest.mark.parametrize("override, named", [("trainer.nonfinite=maybe", "trainer.nonfinite=maybe"),
+                                             ("trainer.precision=fp16", "trainer.precision=fp16"),
+                                             ("trainer.device=gpu", "trainer.device=gpu"),
+                                             ("trainer.resume_overrides=[trainer.eval_every]", "trainer.eval_every")])
+def test_bad_string_settings_are_one_line(override, named):
+    from training.config_checks import check_config
+    from training.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        check_config(to_object(compose_config([override])))
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, named", [("trainer.batch_size=0", "trainer.batch_size=0 is out of range"),
+                                             ("trainer.batch_size=-16", "trainer.batch_size=-16 is out of range"),
+                                             ("optim.lr=-1", "optim.lr=-1.0 is out of range: valid is >= 0"),
+                                             ("model.n_layers=0", "model.n_layers=0 is out of range")])
+def test_bad_input_in_a_real_run_is_one_line_exit_2_and_writes_nothing(override, named, tmp_path):
+    run_dir = tmp_path / "run"
+    line = one_error_line(run_train([override, f"hydra.run.dir={run_dir}"]))
+    assert line.startswith("error: ") and named in line, line
+    assert not run_dir.exists()
+
+
+def test_config_error_under_torchrun_is_printed_by_rank_0_only(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                        str(ROOT / "train.py"), "trainer.batch_size=0", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                                   "WANDB_MODE": "disabled"})
+    assert r.returncode != 0
+    assert (r.stdout + r.stderr).count("error: trainer.batch_size=0 is out of range") == 1, r.stderr[-3000:]
+
+
+def test_rank_other_than_0_exits_2_silently(monkeypatch, capsys):
+    from training.cli import fail
+
+    for rank, printed in (("1", ""), ("0", "error: x\n")):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            fail("x")
+        assert e.value.code == 2 and capsys.readouterr().err == printed
+
+
+def test_srelu24_whose_warmup_outlasts_the_run_is_warned_about(caplog):
+    from training.config_checks import check_config
+
+    check_config(to_object(compose_config(["ffn=srelu24", "trainer.max_steps=300", "ffn.dense_warmup_steps=300"])))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "ffn.dense_warmup_steps=300" in warned[0] and "never turns on" in warned[0]
+    caplog.clear()
+    check_config(to_object(compose_config(["ffn=srelu24", "trainer.max_steps=300", "ffn.dense_warmup_steps=299"])))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_no_experiment_has_a_start_up_warning(experiment):
+    from training.config_checks import check_config, startup_warnings
+
+    cfg = to_object(compose_config([f"+experiment={experiment}"]))
+    check_config(cfg)
+    assert startup_warnings(cfg) == []
+
+
+def test_run_name_leaves_out_resume_and_stop_settings():
+    from training.cli import run_name
+
+    task = ["ffn=srelu24", "trainer.stop_at_step=4", "trainer.resume=auto", "trainer.resume_overrides=[optim.lr]",
+            "+experiment=demo", "optim.lr=1e-3"]
+    assert run_name(task, "demo") == "ffn=srelu24,optim.lr=1e-3"
+    assert run_name(["trainer.resume=auto", "+experiment=demo"], "demo") == "demo"
+
+
+def test_hydra_shell_completion_passes_the_pre_compose():
+    r = run_train(["-sc", "install=bash"])
+    assert r.returncode == 0, r.stderr
+    assert "hydra_bash_completion" in r.stdout
+    r = run_train(["-sc", "query=bash"], env={"COMP_LINE": "python train.py ffn="})  # what bash asks on <tab>
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ffn=srelu", "ffn=srelu24", "ffn=swiglu"]

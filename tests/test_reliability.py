@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers import ROOT, compose_config, run_train, tiny_overrides, with_cache
+from wandb_records import records, run_info
 
 pytestmark = pytest.mark.slow
 
@@ -161,8 +162,9 @@ def _kill_when(p: subprocess.Popen, run_dir: Path, mode: str, rng: random.Random
 
 
 def test_kill_9_at_random_moments_resumes_exactly(tmp_path, corpus, cache, straight_kill_run):
-    """>= 20 SIGKILLs during start-up, training and checkpoint writes; restart with
-    trainer.resume=auto until done: final weights and every step's loss equal a straight run's."""
+    """>= 20 SIGKILLs during start-up, training and checkpoint writes (synchronous and
+    asynchronous ones); restart with trainer.resume=auto until done: final weights and every
+    step's loss equal a straight run's."""
     rng = random.Random(1234)
     args = overrides(tmp_path, corpus, cache, KILL_EXTRA + ["trainer.resume=auto"])
     run_dir = tmp_path / "run"
@@ -171,7 +173,8 @@ def test_kill_9_at_random_moments_resumes_exactly(tmp_path, corpus, cache, strai
         attempts += 1
         assert attempts <= 150, f"no completion after {attempts} attempts ({kills} kills)"
         log = tmp_path / f"attempt_{attempts:03d}.log"
-        p = popen_train(args, log)
+        # odd attempts save in the background (the GPU default), even ones synchronously: kills land in both
+        p = popen_train(args + [f"trainer.async_checkpoint={str(attempts % 2 == 1).lower()}"], log)
         deadline = time.monotonic() + 120
         if kills >= MIN_KILLS:  # enough: let this one finish
             rc = p.wait(timeout=300)
@@ -247,13 +250,25 @@ def test_half_written_and_damaged_checkpoints_are_skipped(tmp_path, corpus, cach
     r = run_train(overrides(split, corpus, cache, extra + ["trainer.resume=auto"]))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "skipping damaged checkpoint" in r.stderr and "step_00000007" in r.stderr
-    assert f"the sha256 of {shards[0].name} does not match its manifest" in r.stderr
+    assert f"the xxh3_128 checksum of {shards[0].name} does not match its manifest" in r.stderr
     assert f"resumed from {good} at step 4" in r.stdout
     assert temp_files(d) == []  # the next successful save removed the partial write
     assert "step_00000006" not in r.stderr  # never considered: no manifest, so not a checkpoint
     assert (ckpt(run, 6) / "manifest.json").is_file()  # step 6 was saved again, over the incomplete one
     assert_same_weights(ckpt(run, 8), ckpt(straight / "run", 8))
     assert losses(run) == losses(straight / "run")
+
+    # the run's messages are in Hydra's job log (train.log), and its last line says where it is
+    log = (run / "train.log").read_text()
+    for part in (f"run {run}: tiny ffn=swiglu", "removed what killed processes left", ".step_00000005.tmp",
+                 "skipping damaged checkpoint", f"resumed from {good} at step 4", "step 8: val_loss",
+                 "checkpoint step 8: stall", f"done: {run}; final train loss"):
+        assert part in log, (part, log)
+    m = re.fullmatch(rf"done: {re.escape(str(run))}; final train loss (\S+), validation loss (\S+); compare runs with: "
+                     rf"python scripts/compare\.py {re.escape(str(run))}", r.stdout.strip().splitlines()[-1])
+    assert m, r.stdout[-2000:]
+    assert float(m.group(1)) == pytest.approx(losses(run)[8][0], abs=1e-4)
+    assert float(m.group(2)) == pytest.approx(losses(run)[8][1], abs=1e-4)
 
 
 # ---------------------------------------------------------------- 3. SIGTERM / SIGUSR1
@@ -325,7 +340,7 @@ def nan_at_step(monkeypatch, step: int, on_nan=lambda model: None) -> list:
 
 
 def test_nonfinite_skip_counts_and_keeps_weights_finite(tmp_path, corpus, cache, monkeypatch,
-                                                        keep_signal_handlers, capsys):
+                                                        keep_signal_handlers, caplog):
     nan_at_step(monkeypatch, NAN_STEP)
     train_in_process(tmp_path, corpus, cache, NF_EXTRA + ["trainer.nonfinite=skip"])
     run = tmp_path / "run"
@@ -336,7 +351,8 @@ def test_nonfinite_skip_counts_and_keeps_weights_finite(tmp_path, corpus, cache,
     assert all(math.isfinite(rows[s]["loss"]) for s in rows if s != NAN_STEP)
     for k, w in weights(ckpt(run, 8)).items():
         assert torch.isfinite(w).all(), k
-    assert f"step {NAN_STEP}: non-finite gradient, step skipped" in capsys.readouterr().err
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # train.log and stderr
+    assert any(f"step {NAN_STEP}: non-finite gradient, step skipped" in m for m in warned), warned
 
 
 def test_nonfinite_stop_names_step_and_tensor(tmp_path, corpus, cache, monkeypatch, keep_signal_handlers):
@@ -387,11 +403,13 @@ def test_refuses_to_checkpoint_nonfinite_weights(tmp_path, corpus, cache, monkey
 
 # ---------------------------------------------------------------- 5. disk full while saving
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("where", ["tensors", "rank_state"])
 def test_disk_full_while_saving_keeps_previous_checkpoint(tmp_path, corpus, cache, monkeypatch,
-                                                          keep_signal_handlers, where):
+                                                          keep_signal_handlers, where, asynchronous):
     """ENOSPC is simulated (tests run as root: a read-only dir would not stop us) inside DCP's file
-    writer (the model/optimizer shards) or in the write of the rank's own state."""
+    writer (the model/optimizer shards) or in the write of the rank's own state. Written in the
+    background, the error is raised at the next save (step 6), which is not started."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     import training.checkpoint as ck
@@ -422,7 +440,7 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(tmp_path, corpus, cach
         monkeypatch.setattr(ck, "_write", write)
     with pytest.raises(CheckpointError) as e:
         train_in_process(tmp_path, corpus, cache, ["trainer.max_steps=6", "trainer.ckpt_every=2",
-                                                   "trainer.keep_last=1"])
+                                                   "trainer.keep_last=1", f"trainer.async_checkpoint={asynchronous}"])
     run = tmp_path / "run"
     msg = str(e.value)
     assert "No space left on device" in msg and "step_00000004" in msg and "intact" in msg, msg
@@ -459,3 +477,147 @@ def test_token_id_past_vocabulary_names_the_shard(tmp_path, corpus, cache):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith("error: ") and str(shard) in lines[0] and "vocabulary size" in lines[0]
+
+
+# ---------------------------------------------------------------- 8. SIGTERM during a background write
+
+def test_sigterm_during_an_async_write_waits_for_it(tmp_path, corpus, cache, monkeypatch, keep_signal_handlers,
+                                                   caplog):
+    """The signal arrives while step 4 is being written in the background (and the write takes a
+    second): the loop checkpoints at the next step boundary, which waits for step 4, and returns
+    only once both are complete."""
+    import logging
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from training.checkpoint import list_checkpoints, verify_checkpoint
+
+    caplog.set_level(logging.INFO)
+    real, sent = dcp_fs._write_item, []
+
+    def write_item(transforms, stream, *a, **k):
+        if "step_00000004" in str(getattr(stream, "name", "")) and not sent:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)  # preemption, mid-write
+            time.sleep(1.0)
+        return real(transforms, stream, *a, **k)
+
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    train_in_process(tmp_path, corpus, cache, ["trainer.max_steps=40", "trainer.ckpt_every=4", "trainer.keep_last=0",
+                                               "trainer.eval_every=100", "trainer.async_checkpoint=true"])
+    run = tmp_path / "run"
+    stopped = [int(m.group(1)) for r in caplog.records
+               if (m := re.match(r"stopped at step (\d+) \(signal SIGTERM\)", r.getMessage()))]
+    assert len(stopped) == 1 and 4 < stopped[0] < 40, stopped
+    assert entries(run / "checkpoints") == ["step_00000004", f"step_{stopped[0]:08d}"]  # no temp directory
+    assert list_checkpoints(run)[0] == ckpt(run, stopped[0])
+    for c in list_checkpoints(run):
+        verify_checkpoint(c)
+
+
+# ---------------------------------------------------------------- 9. resume that would change the run
+
+GUARD_EXTRA = ["ffn=srelu24", "ffn.hidden_dim=128", "ffn.dense_warmup_steps=2", "trainer.max_steps=8",
+               "trainer.ckpt_every=100"]
+
+
+@pytest.fixture(scope="module")
+def stopped_srelu24(tmp_path_factory, corpus, cache):
+    """An srelu24 run of 8 steps stopped (with a checkpoint) at step 4."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    r = run_train(overrides(tmp, corpus, cache, GUARD_EXTRA + ["trainer.stop_at_step=4"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp
+
+
+@pytest.mark.parametrize("change, named", [
+    ("trainer.max_steps=16", "trainer.max_steps 8 -> 16"),
+    ("optim.lr=1e-3", "optim.lr 0.003 -> 0.001"),
+    ("optim.warmup_steps=5", "optim.warmup_steps 2 -> 5"),
+    ("optim.schedule=wsd", "optim.schedule cosine -> wsd"),
+    ("ffn=srelu", "ffn.kind srelu24 -> srelu"),
+])
+def test_resume_that_would_change_the_schedule_or_ffn_stops(tmp_path, corpus, cache, stopped_srelu24, change, named,
+                                                            keep_signal_handlers):
+    from training.errors import ConfigError
+
+    run = tmp_path / "run"
+    shutil.copytree(stopped_srelu24 / "run", run)
+    before = snapshot(run / "checkpoints")
+    extra = [a for a in GUARD_EXTRA if not (change.startswith("ffn=") and a.startswith("ffn="))]
+    with pytest.raises(ConfigError) as e:
+        train_in_process(tmp_path, corpus, cache, extra + [change, "trainer.resume=auto"])
+    msg = str(e.value)
+    assert "\n" not in msg and named in msg and "step_00000004" in msg, msg
+    assert f"trainer.resume_overrides=[{named.split()[0]}]" in msg
+    assert snapshot(run / "checkpoints") == before
+
+
+def test_resume_overrides_allow_the_listed_change(tmp_path, corpus, cache, stopped_srelu24):
+    run = tmp_path / "run"
+    shutil.copytree(stopped_srelu24 / "run", run)
+    line = one_error_line(run_train(overrides(tmp_path, corpus, cache, GUARD_EXTRA[:-2] + [
+        "trainer.max_steps=12", "trainer.resume=auto"])))
+    assert line.startswith("error: resuming ") and "trainer.max_steps 8 -> 12" in line
+    r = run_train(overrides(tmp_path, corpus, cache, GUARD_EXTRA[:-2] + [
+        "trainer.max_steps=12", "trainer.resume=auto", "trainer.resume_overrides=[trainer.max_steps]"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "at step 4; trainer.max_steps: 8 -> 12 (trainer.resume_overrides)" in r.stdout
+    assert max(last_row_per_step(run)) == 12
+
+
+def one_error_line(r) -> str:
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+# ---------------------------------------------------------------- 10. wandb across a resume
+
+def wandb_steps(path: Path) -> list[int]:
+    """The `_step` of every history row of an offline wandb run file."""
+    steps = []
+    for rec in records(path):
+        if rec.WhichOneof("record_type") == "history":
+            steps += [int(json.loads(item.value_json)) for item in rec.history.item
+                      if (item.key or "/".join(item.nested_key)) == "_step"]
+    return steps
+
+
+def test_wandb_keeps_the_training_step_and_the_name_after_a_resume(tmp_path, corpus, cache):
+    args = [a for a in overrides(tmp_path, corpus, cache, ["trainer.max_steps=8", "trainer.ckpt_every=100"])
+            if not a.startswith("logging.wandb.mode=")] + ["logging.wandb.mode=offline"]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    r = run_train(args + ["trainer.stop_at_step=4"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_train(args + ["trainer.resume=auto"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, second = sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert first.name == second.name  # one wandb run id
+    assert wandb_steps(first) == [1, 2, 3, 4]
+    assert wandb_steps(second) == [5, 6, 7, 8]  # the training step, not wandb's own count from 0
+    name = run_info(first)["name"]
+    assert run_info(second)["name"] == name and "stop_at_step" not in name and "resume" not in name
+
+
+# ---------------------------------------------------------------- 11. free space before training
+
+def test_checkpoints_that_cannot_fit_stop_the_run_before_training(tmp_path, corpus, cache):
+    """keep_last=0 (keep all) with a save every step of a billion steps: petabytes."""
+    line = one_error_line(run_train(overrides(tmp_path, corpus, cache, [
+        "trainer.max_steps=1000000000", "trainer.ckpt_every=1", "trainer.keep_last=0"])))
+    assert line.startswith("error: not enough disk space for checkpoints in ") and "GB needed" in line
+    assert "GB free" in line and "trainer.keep_last" in line and "trainer.check_space=false" in line
+    assert not (tmp_path / "run").exists()  # nothing written, not even Hydra's run directory
+
+
+def test_check_space_false_skips_the_check(tmp_path, corpus, cache, monkeypatch, keep_signal_handlers):
+    import training.checkpoint as ck
+    from training.errors import CheckpointError
+
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: type("Usage", (), {"free": 0})())
+    with pytest.raises(CheckpointError, match="not enough disk space"):
+        train_in_process(tmp_path / "a", corpus, cache, ["trainer.max_steps=2"])
+    train_in_process(tmp_path / "b", corpus, cache, ["trainer.max_steps=2", "trainer.check_space=false"])
+    assert entries(tmp_path / "b" / "run" / "checkpoints") == ["step_00000002"]

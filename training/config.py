@@ -76,6 +76,13 @@ class TrainerConfig:
     dry_run: bool = False        # build on the meta device, print sizes and FLOPs, exit
     progress: bool = True
     num_threads: int = 0         # CPU threads for torch; 0 leaves torch's default
+    # checkpoints written in the background (docs/RELIABILITY.md): the loop waits only for the copy
+    # into host memory. None: on with CUDA, off on CPU (there the copy costs what the write does)
+    async_checkpoint: Optional[bool] = None
+    check_space: bool = True     # before training: stop if the checkpoints to come do not fit on the disk
+    # settings a resume may change (e.g. [trainer.max_steps, optim.lr]); others that differ from the
+    # checkpoint's (model, ffn, optim, schedule length, batch, seed) stop the resume
+    resume_overrides: List[str] = field(default_factory=list)
 
 
 class WandbMode(str, Enum):

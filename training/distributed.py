@@ -237,6 +237,23 @@ def sum_over_ranks(x: torch.Tensor, d: Dist) -> torch.Tensor:
     return x
 
 
+def current() -> Dist:
+    """This process's place in the process group it has joined, for code that is not handed a
+    Dist (checkpoints, export): rank 0 of 1 without a group."""
+    if not dist.is_initialized():
+        return Dist()
+    return Dist(rank=dist.get_rank(), world_size=dist.get_world_size(), enabled=True)
+
+
+def gather_object(obj, d: Dist, group=None) -> list:
+    """Every rank's obj, on every rank (a list of one without a group of several)."""
+    if not d.enabled or d.world_size == 1:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def broadcast_object(obj, d: Dist, slow: bool = False):
     """Rank 0's value on every rank. slow: through the gloo group without a practical timeout,
     for a wait as long as rank 0's data preparation."""

@@ -1,6 +1,8 @@
 """Where metrics go: <run_dir>/metrics.jsonl (the source of truth for scripts) and wandb
-(offline by default, one run per job)."""
+(offline by default, one run per job); and where messages go: Python logging, so Hydra's job log
+(<run_dir>/train.log) holds them, with a console handler that keeps tqdm's bar intact."""
 import json
+import logging
 import secrets
 import socket
 import subprocess
@@ -46,7 +48,7 @@ class RunLogger:
             self._history.setdefault(stat, []).append((row["tokens"], values))
         if "val_loss" in row and self._history:
             flat.update(self._charts())
-        self._wandb.log(flat)
+        self._wandb.log(flat, step=row["step"])  # the training step: a resumed run continues its steps
 
     def _charts(self) -> dict:
         import wandb
@@ -115,3 +117,45 @@ def _git(root: Path, *args: str) -> Optional[str]:
     except Exception:  # noqa: BLE001 - no git
         return None
     return r.stdout.strip() if r.returncode == 0 else None  # None: not a git checkout
+
+
+def startup_summary(run_dir: Path, cfg, info: dict, start: int) -> str:
+    """The run in one line, at start-up."""
+    where = f"resuming at step {start}" if start else "from scratch"
+    return (f"run {run_dir}: {cfg.model.name} ffn={cfg.ffn.kind} (hidden {info['ffn_hidden']}), "
+            f"{info['params']['total']:,} parameters; {info['total_steps']:,} steps x {info['tokens_per_step']:,} "
+            f"tokens; {info['device']}, strategy {info['strategy']} x {info['world_size']}; {where}")
+
+
+def end_summary(run_dir: Path, summary: dict) -> str:
+    """The run's last line: where it is, its final losses, and how to look at it."""
+    return (f"done: {run_dir}; final train loss {summary['final_train_loss']:.4f}, validation loss "
+            f"{summary['final_val_loss']:.4f}; compare runs with: python scripts/compare.py {run_dir}")
+
+
+class ConsoleHandler(logging.Handler):
+    """Messages as plain lines, INFO to stdout and warnings (as `warning: ...`) and errors to
+    stderr, written through tqdm so that a progress bar is cleared and redrawn instead of broken."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            line = self.format(record)
+            if record.levelno == logging.WARNING and not line.startswith("warning: "):
+                line = f"warning: {line}"
+            tqdm.write(line, file=sys.stderr if record.levelno >= logging.WARNING else sys.stdout)
+        except Exception:  # noqa: BLE001 - logging must not raise
+            self.handleError(record)
+
+
+def console_logging() -> None:
+    """Replace the console handlers Hydra configured (timestamped, all on stdout) with one
+    ConsoleHandler; its file handler (train.log) keeps Hydra's format."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if type(h) is logging.StreamHandler or isinstance(h, ConsoleHandler):
+            root.removeHandler(h)
+    root.addHandler(ConsoleHandler())
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)

@@ -1,6 +1,7 @@
 """The training loop: set up, resume, then per step `training.step.train_step` (the one
 definition of a step) -> log / eval / checkpoint."""
 import json
+import logging
 import math
 import shutil
 import signal
@@ -21,26 +22,28 @@ from data.shards import prepare
 from model import Transformer, ffn_hidden_dim, model_size
 from kernels.ffn_stats import derive
 
-from .checkpoint import (check_model_shape, find_resume_checkpoint, load_into, load_rank_state, model_shape,
-                         rng_state, save_checkpoint, set_rng_state)
+from .checkpoint import (Checkpointer, check_model_shape, find_resume_checkpoint, load_into, load_rank_state,
+                         model_shape, rng_state, set_rng_state)
+from .cli import hydra_only
 from .config import Config, Strategy
 from .distributed import Dist, agree, broadcast_object, build_model, launch_env, local, setup, shutdown
 from .errors import TrainingError
-from .logger import RunLogger, environment
+from .logger import RunLogger, end_summary, environment, startup_summary
 from .memory import dry_run_rows
 from .gpu_clocks import ClockSampler
 from .metrics import Throughput, peak_info
 from .optim import build_optimizer, lr_at
 from .step import StepParts, TrainState, train_step
-from .validate import resolve_vocab_size, total_steps, validate
+from .config_checks import check_config, check_resume, resolve_vocab_size, total_steps
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger(__name__)
 
 
 def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
     cfg: Config = OmegaConf.to_object(dcfg)
     launch = launch_env(slurm=cfg.trainer.strategy != Strategy.none)
-    validate(cfg, world_size=launch.world_size if launch else 1)
+    check_config(cfg, world_size=launch.world_size if launch else 1, rank=launch.rank if launch else 0)
     if cfg.trainer.dry_run:
         return dry_run(cfg)
     d = setup(cfg.trainer)  # every rank; a process group unless trainer.strategy=none
@@ -85,10 +88,12 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     val_batches = TokenLoader(shard_dir, manifest, "val", t.seq_len, t.micro_batch_size, t.seed).fixed_batches(t.eval_batches)
 
     state = TrainState(loader=loader)
+    resolved = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
     resumed = find_resume_checkpoint(t.resume, run_dir)
     if resumed is not None:
         path, saved = resumed
         check_model_shape(path, saved, model)
+        changes = check_resume(path, saved.get("config"), resolved, t.resume_overrides)
         check_same_data(path, saved, manifest)
         load_into(path, model, optimizer)
         mine = load_rank_state(path, d.rank, d.world_size)
@@ -97,13 +102,16 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
         state.step, state.elapsed_s = saved["step"], saved.get("elapsed_s", 0.0)
         state.skipped_steps, state.tokens = saved.get("skipped_steps", 0), saved["step"] * tokens_per_step
         if saved.get("world_size") != d.world_size and d.is_main:
-            print(f"note: {path} was written by {saved.get('world_size')} process(es), this run has {d.world_size}: "
+            log.info(f"note: {path} was written by {saved.get('world_size')} process(es), this run has {d.world_size}: "
                   "weights and optimizer state are resharded, the data continues at the same sample; the "
                   "result is not bitwise what the original world size would give")
         if d.is_main:
-            print(f"resumed from {path} at step {state.step}")
+            log.info(f"resumed from {path} at step {state.step}" +
+                     "".join(f"; {c} (trainer.resume_overrides)" for c in changes))
+    ckpt = Checkpointer.for_run(run_dir, t, device)
+    if t.check_space:
+        ckpt.check_space(model, state.step, steps, t.ckpt_every, t.stop_at_step)
 
-    resolved = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
     info = {"vocab_size": vocab_size, "ffn_hidden": ffn_hidden_dim(cfg.model, cfg.ffn), "total_steps": steps,
             "grad_accum": accum, "tokens_per_step": tokens_per_step, "device": str(device),
             "strategy": t.strategy.value, "world_size": d.world_size,
@@ -124,6 +132,8 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
         if logger is not None:
             logger.close()
         raise TrainingError(err)
+    if d.is_main:
+        log.info(startup_summary(run_dir, cfg, info, state.step))
 
     is_sparse = cfg.ffn.kind == "srelu24"
     parts = StepParts(model=model, train_module=train_module, optimizer=optimizer, dist=d, accum=accum,
@@ -142,7 +152,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             raise TrainingError(f"step {done}: refusing to checkpoint a model with non-finite weights ({where}); "
                                 f"the checkpoints in {run_dir / 'checkpoints'} are intact")
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        save_checkpoint(run_dir, done, keep_last=t.keep_last, state={
+        ckpt.save(done, state={
             "model": model_sd, "optimizer": optim_sd, "rank": {"loader": state.loader.state_dict(), "rng": rng_state()},
             "model_shape": model_shape(model), "config": resolved, "strategy": t.strategy.value,
             "elapsed_s": meter.elapsed(), "skipped_steps": state.skipped_steps,
@@ -185,6 +195,8 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             if done % t.eval_every == 0 or done == steps:
                 meter.pause()
                 val_loss = row["val_loss"] = evaluate()
+                if d.is_main:
+                    log.info(f"step {done}: val_loss {val_loss:.4f}")
                 meter.resume()
             if row:
                 logger.log({"step": done, "tokens": state.tokens, **row})
@@ -199,11 +211,12 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
                 bar.close()
                 why = f"signal {stop.requested or 'on another rank'}" if stop_now else "trainer.stop_at_step"
                 if d.is_main:
-                    print(f"stopped at step {done} ({why}), checkpoint saved; continue (or requeue) with the same "
+                    log.info(f"stopped at step {done} ({why}), checkpoint saved; continue (or requeue) with the same "
                           f"command plus trainer.resume=auto hydra.run.dir={run_dir}")
                 break
         bar.close()
     except BaseException:
+        ckpt.close(raise_errors=False)  # a save in flight completes (or is logged as failed)
         logger.close()  # metrics.jsonl closed and the wandb run finished, even on errors
         raise
     finally:  # also on errors: leave the process as it was
@@ -218,8 +231,11 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     for key in ("mfu", "mem_allocated_gib", "act_sparsity_mean"):
         if key in last_row:
             summary[f"final_{key}"] = last_row[key]
+    ckpt.close()  # the last save is complete before the run reports its end
     logger.summary(summary)
     logger.close()
+    if d.is_main:
+        log.info(end_summary(run_dir, summary))
     stop.forward()
     return summary
 
@@ -257,7 +273,7 @@ def shared_run_dir(run_dir: Path, d: Dist) -> Path:
     """Rank 0's run directory on every rank: ranks that started in another second got another
     `${now:}` directory from Hydra; it holds only Hydra's files, and is removed."""
     main = Path(broadcast_object(str(run_dir), d))
-    if main != run_dir and run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
+    if main != run_dir and hydra_only(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
     return main
 

@@ -4,8 +4,8 @@ scripts/bench_step.py times, so that the benchmark measures what training runs.
     sparsity switch -> LR -> micro-batches (forward, backward, gradient accumulation)
     -> clip -> non-finite check (every rank agrees) -> AdamW (-> float8 scales) -> statistics (logged steps only)
 """
+import logging
 import math
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -110,8 +110,8 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
     else:
         state.skipped_steps += 1
         if d.is_main:
-            print(f"step {step + 1}: non-finite gradient, step skipped ({state.skipped_steps} so far)",
-                  file=sys.stderr)
+            logging.getLogger(__name__).warning(
+                f"step {step + 1}: non-finite gradient, step skipped ({state.skipped_steps} so far)")
     p.optimizer.zero_grad(set_to_none=True)
     mark("optimizer")
     state.step += 1
