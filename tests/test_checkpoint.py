@@ -298,3 +298,38 @@ def test_background_saves_warn_when_the_host_copy_does_not_fit(tmp_path, monkeyp
     monkeypatch.setattr(ck, "_available_host_bytes", lambda: 0)
     ck.Checkpointer(tmp_path, 1, asynchronous=False).check_space(model, 0, 10, 5)  # no host copy
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_each_background_save_stages_into_its_own_copy_freed_after_its_write(tmp_path, monkeypatch):
+    """A stager kept from save to save failed its deep copy on a GPU at the second or third save;
+    each save gets a new one, closed once its write is complete."""
+    made = []
+    real = ck.new_stager
+
+    def counting():
+        s, entry = real(), {"closed": False}
+        close = s.close
+
+        def closing():
+            entry["closed"] = True
+            close()
+        s.close = closing
+        made.append(entry)
+        return s
+
+    monkeypatch.setattr(ck, "new_stager", counting)
+    model, opt = trained()
+    c = ck.Checkpointer(tmp_path / "run", keep_last=1, asynchronous=True)
+    for step in (1, 2, 3):
+        c.save(step, state_of(model, opt))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    c.close()
+    assert len(made) == 3 and all(m["closed"] for m in made)
+    assert ck.list_checkpoints(tmp_path / "run") == [tmp_path / "run" / "checkpoints" / "step_00000003"]
+
+
+def test_a_bare_key_error_is_named_in_the_reason():
+    assert ck._reason(KeyError(type)) == "KeyError: <class 'type'>"
+    assert ck._reason(OSError(28, "No space left on device")) == "No space left on device"

@@ -105,7 +105,10 @@ def _reason(e: BaseException) -> str:
         if failures:
             first = next(iter(failures.values()))
             return _reason(first[0] if isinstance(first, tuple) else first)
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    first = (str(e).strip().splitlines() or [""])[0]
+    if not first or isinstance(e, LookupError):  # a KeyError's message is only its key: name the error
+        return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return first
 
 
 # ---------------------------------------------------------------- files
@@ -303,8 +306,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 0) -
 class Checkpointer:
     """The saves of one run. `save` returns once the state is safe from the training that goes
     on: after the whole write (synchronous), or after DCP's async_save has copied it into host
-    memory (asynchronous; pinned on GPUs, and the copies are reused from save to save as
-    torchtitan does). A thread then writes, checksums and commits it; the checkpoint is visible
+    memory (asynchronous; pinned on GPUs; a new copy each save, see new_stager). A thread then
+    writes, checksums and commits it; the checkpoint is visible
     to resume only once complete. The next `save`, and `close`, wait for the one in flight and
     raise its error. Each save logs `checkpoint step N: stall X s, written in Y s, Z GB`: stall
     is the time the training loop was blocked, written the time until the checkpoint was
@@ -323,13 +326,6 @@ class Checkpointer:
         self._pending: Optional[Future] = None
         self._stager = self._pool = self._group = None
         if asynchronous:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = torch.cuda.is_available()
-            # staged synchronously (the loop waits for the device-to-host copy, then may change
-            # the weights); pinned host memory makes that copy fast on GPUs
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
             if dist.is_initialized():  # the writer's collectives (DCP wants a CPU backend), beside the loop's
                 self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -369,6 +365,7 @@ class Checkpointer:
         final, tmp = _paths(self.run_dir, step)
         err, upload = None, None
         try:
+            self._stager = new_stager()
             upload = dcp.async_save({k: state[k] for k in TENSORS if k in state}, checkpoint_id=tmp,
                                     process_group=self._group, async_stager=self._stager,
                                     no_dist=_ranks()[1] == 1)
@@ -376,6 +373,7 @@ class Checkpointer:
             err = f"could not write checkpoint {final}: {_reason(e)}"
         err = _first_error(err)
         if err:
+            self._close_stager()
             if _ranks()[0] == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{err}; the previous checkpoints in {tmp.parent} are intact")
@@ -383,7 +381,10 @@ class Checkpointer:
         rest = {k: v for k, v in state.items() if k not in TENSORS}  # small: this rank's state, JSON
 
         def finish() -> None:
-            path, nbytes = _complete(self.run_dir, step, rest, self.keep_last, upload.result, self._group)
+            try:
+                path, nbytes = _complete(self.run_dir, step, rest, self.keep_last, upload.result, self._group)
+            finally:
+                self._close_stager()
             self._done(step, path, stall, time.perf_counter() - t0, nbytes)
 
         self._pending = self._pool.submit(finish)
@@ -412,8 +413,27 @@ class Checkpointer:
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-                self._stager.close()
-                self._pool = self._stager = None
+                self._pool = None
+            self._close_stager()
+
+    def _close_stager(self) -> None:
+        """Free the staged copy's host memory once its write is done (or failed)."""
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
+
+
+def new_stager():
+    """DCP's stager for one background save: staged synchronously (the loop waits for the
+    device-to-host copy, then may change the weights), into pinned host memory on GPUs. One per
+    save: a stager reused for a later save failed in its deep copy on the H200 (torch 2.11,
+    `KeyError: <class 'type'>` in _state_dict_stager, at the second or third save), so the pinned
+    buffers are not kept from save to save."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
 
 
 # ---------------------------------------------------------------- size and free space
