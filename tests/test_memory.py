@@ -7,7 +7,8 @@ import pytest
 from helpers import run_train
 from model import FFNConfig, ModelConfig, ffn_hidden_dim
 from training.config import ActivationCheckpointing, Strategy, TrainerConfig
-from training.memory import GiB, checkpoint_bytes, estimate
+from training.checkpoint import checkpoint_bytes
+from training.memory import GiB, _meta_model, estimate
 
 V = 32768  # FineWeb-Edu's tokenizer
 M1B = ModelConfig(name="1b", dim=2048, n_layers=20, n_heads=16, swiglu_hidden=5632)
@@ -71,11 +72,13 @@ def test_strategies_and_checkpointing_move_the_right_parts():
 
 
 def test_checkpoint_bytes_are_weights_and_adamw():
+    """The dry run's checkpoint size is training/checkpoint.py's (one definition; measured against
+    real checkpoints in tests/test_checkpoint.py): 12 bytes per fp32 parameter (weights, two AdamW
+    moments) plus small per-tensor and per-rank overhead."""
     m = replace(M1B, n_layers=2)
     e = estimate(m, FFNConfig(kind="srelu"), V, TRAIN_1B)
-    assert checkpoint_bytes(m, FFNConfig(kind="srelu"), V) == 3 * e.parts["parameters (fp32)"]
-    tied = checkpoint_bytes(replace(m, tie_embeddings=True), FFNConfig(kind="srelu"), V)
-    assert checkpoint_bytes(m, FFNConfig(kind="srelu"), V) - tied == 12 * V * m.dim
+    size = checkpoint_bytes(_meta_model(m, FFNConfig(kind="srelu"), V))
+    assert 0 <= size - 3 * e.parts["parameters (fp32)"] < 1e6
 
 
 def test_dry_run_prints_the_memory_estimate():

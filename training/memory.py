@@ -43,6 +43,7 @@ import torch
 
 from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim
 
+from .checkpoint import checkpoint_bytes
 from .config import ActivationCheckpointing, Config, Strategy, TrainerConfig
 
 GiB = 2 ** 30
@@ -139,12 +140,6 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     return e
 
 
-def checkpoint_bytes(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int) -> int:
-    """The tensors of one checkpoint, all ranks together: the fp32 weights and AdamW's two fp32
-    moments, 12 bytes per parameter (the JSON and per-rank files are a few KiB more)."""
-    return 12 * _counts(_meta_model(mcfg, fcfg, vocab))[0]
-
-
 def world_size_of_launch(t: TrainerConfig) -> int:
     """The world size torchrun or SLURM launched (1 without one)."""
     from .distributed import launch_env
@@ -170,5 +165,6 @@ def dry_run_rows(cfg: Config, vocab: int) -> list[tuple[str, str]]:
         # a second phase: only what differs from the first
         rows += [(f"    {k}", f"{v / GiB:.2f} GiB") for k, v in e.parts.items() if first is None or first.get(k) != v]
         first = first or e.parts
-    rows.append(("checkpoint size (weights + AdamW)", f"{checkpoint_bytes(cfg.model, cfg.ffn, vocab) / 1e9:.3g} GB"))
+    size = checkpoint_bytes(_meta_model(cfg.model, cfg.ffn, vocab), "adamw", world)  # the one definition
+    rows.append(("checkpoint size (weights + AdamW)", f"{size / 1e9:.3g} GB"))
     return rows
