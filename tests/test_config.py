@@ -257,8 +257,10 @@ def test_config_error_under_torchrun_is_printed_by_rank_0_only(tmp_path):
 
 
 def test_rank_other_than_0_exits_2_silently(monkeypatch, capsys):
+    import training.cli
     from training.cli import fail
 
+    monkeypatch.setattr(training.cli, "RANK_EXIT_DELAY_S", 0.0)
     for rank, printed in (("1", ""), ("0", "error: x\n")):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as e:

@@ -4,6 +4,7 @@ run's name; and the one-line error exit of a rejected run, which leaves no run d
 import os
 import shutil
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,6 +36,9 @@ def condense(message: str) -> str:
     return "; ".join(parts)
 
 
+RANK_EXIT_DELAY_S = 5.0
+
+
 def first_process() -> bool:
     """False on the ranks other than 0 of a torchrun or multi-task SLURM launch: a config error
     is printed once, by rank 0 (the others exit 2 silently)."""
@@ -45,9 +49,12 @@ def first_process() -> bool:
 
 
 def fail(message: str) -> None:
-    """One `error:` line on stderr (rank 0 only), exit 2."""
+    """One `error:` line on stderr (rank 0 only), exit 2. The other ranks wait a moment first:
+    torchrun stops every rank as soon as one exits, which could end rank 0 before it printed."""
     if first_process():
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK_EXIT_DELAY_S)
     sys.exit(2)
 
 
