@@ -1,9 +1,11 @@
 """Throughput, MFU and memory: measured between log points without per-step host syncs."""
+import logging
 import time
-import warnings
 from typing import Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' datasheets: the one
 # table MFU is computed against. A key is matched as a case-insensitive substring of
@@ -30,7 +32,7 @@ def peak_flops(device: torch.device) -> Optional[float]:
     name = torch.cuda.get_device_name(device)
     found = match_peak(name)
     if found is None:
-        warnings.warn(f"no peak FLOP/s known for {name!r}; MFU is not logged (add it to PEAK_BF16_TFLOPS)")
+        log.warning(f"no peak FLOP/s known for {name!r}; MFU is not logged (add it to PEAK_BF16_TFLOPS)")
         return None
     return found[1] * 1e12
 
