@@ -300,36 +300,97 @@ def test_background_saves_warn_when_the_host_copy_does_not_fit(tmp_path, monkeyp
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
-def test_each_background_save_stages_into_its_own_copy_freed_after_its_write(tmp_path, monkeypatch):
-    """A stager kept from save to save failed its deep copy on a GPU at the second or third save;
-    each save gets a new one, closed once its write is complete."""
+def test_background_saves_reuse_one_host_copy_prepared_ahead_and_freed_at_close(tmp_path, monkeypatch):
+    """prepare() allocates the host copy in the writer's thread; three saves copy into that same
+    buffer (no allocation), each checkpoint holds the weights of its own step, and close() frees it."""
+    from training.host_staging import HostStaging
+
     made = []
-    real = ck.new_stager
+    real_reserve = HostStaging.reserve
 
-    def counting():
-        s, entry = real(), {"closed": False}
-        close = s.close
-
-        def closing():
-            entry["closed"] = True
-            close()
-        s.close = closing
-        made.append(entry)
-        return s
-
-    monkeypatch.setattr(ck, "new_stager", counting)
+    def reserve(self, state_dict):
+        before = self._buffer
+        real_reserve(self, state_dict)
+        if self._buffer is not before:
+            made.append(self._buffer.data_ptr())
+    monkeypatch.setattr(HostStaging, "reserve", reserve)
     model, opt = trained()
-    c = ck.Checkpointer(tmp_path / "run", keep_last=1, asynchronous=True)
+    c = ck.Checkpointer(tmp_path / "run", keep_last=0, asynchronous=True)
+    c.prepare(state_of(model, opt))
+    c.wait()
+    assert len(made) == 1 and not c.wants_prepare
+    wanted = {}
     for step in (1, 2, 3):
+        wanted[step] = {k: v.clone() for k, v in model.state_dict().items()}
         c.save(step, state_of(model, opt))
-        with torch.no_grad():
+        with torch.no_grad():  # the next steps' training, while the write is under way
             for p in model.parameters():
                 p.add_(1.0)
     c.close()
-    assert len(made) == 3 and all(m["closed"] for m in made)
-    assert ck.list_checkpoints(tmp_path / "run") == [tmp_path / "run" / "checkpoints" / "step_00000003"]
+    assert len(made) == 1 and c._staging.nbytes == 0  # one allocation; freed
+    for step in (1, 2, 3):
+        got = ck.load_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{step:08d}")["model"]
+        for k, v in wanted[step].items():
+            assert torch.equal(got[k], v), (step, k)
+
+
+def test_host_staging_copies_every_tensor_and_keeps_the_other_values():
+    """stage(): tensors become views of one host buffer holding their values now (0-dim and empty
+    ones too); numbers, strings, tuples and None are the state's own; a state of another shape gets
+    a new buffer."""
+    from training.host_staging import ALIGN, HostStaging
+
+    state = {"a": torch.randn(3, 5), "b": {"step": torch.tensor(7.0), "empty": torch.zeros(0, 4),
+                                          "i": torch.arange(6, dtype=torch.int64).view(2, 3)},
+             "groups": [{"lr": 0.1, "betas": (0.9, 0.95), "foreach": None, "params": ["a"]}]}
+    s = HostStaging(pinned=False)
+    got = s.stage(state)
+    assert s.nbytes == 3 * ALIGN  # a page each for a, step and i; none for the empty one
+    base = s._buffer.data_ptr()
+    for k, v in (("a", got["a"]), ("step", got["b"]["step"]), ("i", got["b"]["i"])):
+        assert base <= v.data_ptr() < base + s.nbytes, k
+    assert torch.equal(got["a"], state["a"]) and got["a"].data_ptr() != state["a"].data_ptr()
+    assert got["b"]["step"].item() == 7.0 and got["b"]["step"].dim() == 0
+    assert got["b"]["empty"].shape == (0, 4) and torch.equal(got["b"]["i"], state["b"]["i"])
+    assert got["groups"] == state["groups"]
+    state["a"].add_(1.0)
+    state["groups"][0]["lr"] = 0.2
+    again = s.stage(state)
+    assert s._buffer.data_ptr() == base and torch.equal(again["a"], state["a"]) and again["groups"][0]["lr"] == 0.2
+    s.stage({"a": torch.randn(4, 5)})  # another structure
+    assert s.nbytes == ALIGN
+    s.close()  # DCP may call it after an upload: the copy stays
+    assert s.nbytes == ALIGN
+    s.release()
+    assert s.nbytes == 0
 
 
 def test_a_bare_key_error_is_named_in_the_reason():
     assert ck._reason(KeyError(type)) == "KeyError: <class 'type'>"
     assert ck._reason(OSError(28, "No space left on device")) == "No space left on device"
+
+
+@pytest.mark.gpu
+def test_background_saves_of_cuda_state_through_page_locked_host_memory(tmp_path):
+    """On a GPU: the host copy is page-locked, and three background saves of a model and AdamW
+    on the device (DCP may close the stager after each upload) hold each step's weights."""
+    m = torch.nn.Linear(1024, 1024, device="cuda")
+    opt = torch.optim.AdamW(m.parameters(), fused=True)
+    m(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    c = ck.Checkpointer(tmp_path, keep_last=0, asynchronous=True)
+    c.prepare(dict(zip(("model", "optimizer"), get_state_dict(m, opt))))
+    c.wait()
+    assert c._staging._buffer.is_pinned()
+    wanted = {}
+    for step in (1, 2, 3):
+        wanted[step] = m.weight.detach().cpu().clone()
+        msd, osd = get_state_dict(m, opt)
+        c.save(step, {"model": msd, "optimizer": osd, "rank": {"x": step}})
+        opt.step()  # changes the weights while the write is under way
+    c.close()
+    for step in (1, 2, 3):
+        got = ck.load_checkpoint(tmp_path / "checkpoints" / f"step_{step:08d}")["model"]
+        assert torch.equal(got["weight"], wanted[step]), step

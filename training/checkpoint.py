@@ -17,8 +17,8 @@ temp name before it is deleted. Loading verifies the manifest; a damaged checkpo
 name and an older one is used.
 
 Saves go through a `Checkpointer`: synchronous, or asynchronous (DCP's async_save): the training
-loop waits only while the state is copied into host memory (pinned on GPUs); a thread writes,
-checksums and commits it while training goes on. One save is in flight at a time.
+loop waits only while the state is copied into host memory (training/host_staging.py); a thread
+writes, checksums and commits it while training goes on. One save is in flight at a time.
 
 Under a process group every function here is called by all ranks in the same order: each local
 failure is shared (all-gather) before anyone acts on it, so no rank waits for one that gave up."""
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .distributed import broadcast_object, current, gather_object
 from .errors import CheckpointError
+from .host_staging import HostStaging
 
 log = logging.getLogger(__name__)
 
@@ -305,13 +306,13 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 0) -
 
 class Checkpointer:
     """The saves of one run. `save` returns once the state is safe from the training that goes
-    on: after the whole write (synchronous), or after DCP's async_save has copied it into host
-    memory (asynchronous; pinned on GPUs; a new copy each save, see new_stager). A thread then
-    writes, checksums and commits it; the checkpoint is visible
-    to resume only once complete. The next `save`, and `close`, wait for the one in flight and
-    raise its error. Each save logs `checkpoint step N: stall X s, written in Y s, Z GB`: stall
-    is the time the training loop was blocked, written the time until the checkpoint was
-    complete. Every rank constructs it at the same point (an async one makes a gloo group)."""
+    on: after the whole write (synchronous), or after it is copied into host memory
+    (asynchronous: training/host_staging.py, one page-locked copy on GPUs kept from save to save),
+    from which DCP's async_save writes it in a thread that then checksums and commits it; the
+    checkpoint is visible to resume only once complete. The next `save`, and `close`, wait for the
+    one in flight and raise its error. Each save logs `checkpoint step N: stall X s, written in Y s,
+    Z GB`: stall is the time the training loop was blocked, written the time until the checkpoint
+    was complete. Every rank constructs it at the same point (an async one makes a gloo group)."""
 
     @classmethod
     def for_run(cls, run_dir: Path, t, device: torch.device) -> "Checkpointer":
@@ -324,8 +325,10 @@ class Checkpointer:
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
         self.saves: list[dict] = []  # one per completed save: step, path, stall_s, written_s, bytes
         self._pending: Optional[Future] = None
-        self._stager = self._pool = self._group = None
+        self._staging = self._pool = self._group = None
+        self.wants_prepare = asynchronous  # until prepare() (or a save) has run
         if asynchronous:
+            self._staging = HostStaging(pinned=torch.cuda.is_available())
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
             if dist.is_initialized():  # the writer's collectives (DCP wants a CPU backend), beside the loop's
                 self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -352,6 +355,28 @@ class Checkpointer:
             if warning:
                 log.warning(warning)
 
+    def prepare(self, tensors: dict) -> None:
+        """Asynchronous saves: allocate the host copy for a state like `tensors` (its "model" and
+        "optimizer") in the writer's thread, while training goes on, so that the first save does
+        not wait for it. Call it once the optimizer has its state (after the first step). A
+        failure here is only logged: the first save allocates again and reports its own error."""
+        if not self.wants_prepare or self._pending is not None:
+            return
+        self.wants_prepare = False
+        shapes = {k: tensors[k] for k in TENSORS if k in tensors}
+
+        def reserve() -> None:
+            t0 = time.perf_counter()
+            try:
+                self._staging.reserve(shapes)
+            except Exception as e:  # noqa: BLE001 - the save itself will say why
+                log.warning(f"could not prepare the background checkpoint's host copy: {_reason(e)}")
+                return
+            log.info(f"checkpoints: host copy of {self._staging.nbytes / 1e9:.3g} GB ready in "
+                     f"{time.perf_counter() - t0:.2f} s")
+
+        self._pending = self._pool.submit(reserve)
+
     def save(self, step: int, state: dict) -> None:
         """Save `state` (as save_checkpoint takes it) as step `step`."""
         t0 = time.perf_counter()
@@ -361,19 +386,18 @@ class Checkpointer:
             written = time.perf_counter() - t0
             self._done(step, path, written, written, nbytes)
             return
+        self.wants_prepare = False
         _begin(self.run_dir, step)
         final, tmp = _paths(self.run_dir, step)
         err, upload = None, None
         try:
-            self._stager = new_stager()
             upload = dcp.async_save({k: state[k] for k in TENSORS if k in state}, checkpoint_id=tmp,
-                                    process_group=self._group, async_stager=self._stager,
+                                    process_group=self._group, async_stager=self._staging,
                                     no_dist=_ranks()[1] == 1)
         except FAILED as e:  # noqa: BLE001 - staging (host memory) or planning failed
             err = f"could not write checkpoint {final}: {_reason(e)}"
         err = _first_error(err)
         if err:
-            self._close_stager()
             if _ranks()[0] == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{err}; the previous checkpoints in {tmp.parent} are intact")
@@ -381,10 +405,7 @@ class Checkpointer:
         rest = {k: v for k, v in state.items() if k not in TENSORS}  # small: this rank's state, JSON
 
         def finish() -> None:
-            try:
-                path, nbytes = _complete(self.run_dir, step, rest, self.keep_last, upload.result, self._group)
-            finally:
-                self._close_stager()
+            path, nbytes = _complete(self.run_dir, step, rest, self.keep_last, upload.result, self._group)
             self._done(step, path, stall, time.perf_counter() - t0, nbytes)
 
         self._pending = self._pool.submit(finish)
@@ -402,8 +423,8 @@ class Checkpointer:
             pending.result()
 
     def close(self, raise_errors: bool = True) -> None:
-        """Wait for the save in flight, then free the staging memory. raise_errors=False (the run
-        is already failing): a failed save is logged instead of raised."""
+        """Wait for the save in flight, then free the host copy. raise_errors=False (the run is
+        already failing): a failed save is logged instead of raised."""
         try:
             self.wait()
         except CheckpointError as e:
@@ -414,26 +435,8 @@ class Checkpointer:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
-            self._close_stager()
-
-    def _close_stager(self) -> None:
-        """Free the staged copy's host memory once its write is done (or failed)."""
-        stager, self._stager = self._stager, None
-        if stager is not None:
-            stager.close()
-
-
-def new_stager():
-    """DCP's stager for one background save: staged synchronously (the loop waits for the
-    device-to-host copy, then may change the weights), into pinned host memory on GPUs. One per
-    save: a stager reused for a later save failed in its deep copy on the H200 (torch 2.11,
-    `KeyError: <class 'type'>` in _state_dict_stager, at the second or third save), so the pinned
-    buffers are not kept from save to save."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            if self._staging is not None:
+                self._staging.release()
 
 
 # ---------------------------------------------------------------- size and free space

@@ -179,6 +179,8 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
             done = state.step + 1
             log_now = done % t.log_every == 0 or done == steps
             out = train_step(parts, state, next_batch, log=log_now, stop_requested=lambda: stop.requested is not None)
+            if ckpt.wants_prepare:  # the optimizer has its state now: background saves' host copy, allocated meanwhile
+                ckpt.prepare(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))))
             stop_now = out.stop
             meter.data_time(out.data_s)
             meter.step()
