@@ -394,3 +394,17 @@ def test_background_saves_of_cuda_state_through_page_locked_host_memory(tmp_path
     for step in (1, 2, 3):
         got = ck.load_checkpoint(tmp_path / "checkpoints" / f"step_{step:08d}")["model"]
         assert torch.equal(got["weight"], wanted[step]), step
+
+
+def test_a_save_that_waits_for_the_previous_write_says_so(tmp_path, gate, caplog):
+    caplog.set_level(logging.INFO, logger="training.checkpoint")
+    release, entered = gate
+    model, opt = trained()
+    c = ck.Checkpointer(tmp_path, keep_last=0, asynchronous=True)
+    c.save(2, state_of(model, opt))  # held in the writer by the gate
+    assert entered.wait(30)
+    threading.Timer(1.5, release.set).start()
+    c.save(3, state_of(model, opt))
+    c.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "checkpoint step 3: waited" in warned[0] and "trainer.ckpt_every" in warned[0]

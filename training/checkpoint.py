@@ -324,6 +324,7 @@ class Checkpointer:
     def __init__(self, run_dir: Path, keep_last: int, asynchronous: bool, timeout_s: float = 1800):
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
         self.saves: list[dict] = []  # one per completed save: step, path, stall_s, written_s, bytes
+        self.saves_started = 0
         self._pending: Optional[Future] = None
         self._staging = self._pool = self._group = None
         self.wants_prepare = asynchronous  # until prepare() (or a save) has run
@@ -380,7 +381,13 @@ class Checkpointer:
     def save(self, step: int, state: dict) -> None:
         """Save `state` (as save_checkpoint takes it) as step `step`."""
         t0 = time.perf_counter()
+        writing = self._pending is not None and self.saves_started > len(self.saves)
         self.wait()
+        waited = time.perf_counter() - t0
+        if writing and waited > 1.0 and _ranks()[0] == 0:
+            log.warning(f"checkpoint step {step}: waited {waited:.1f} s for the previous checkpoint's write; "
+                        f"checkpoints come faster than they are written (raise trainer.ckpt_every)")
+        self.saves_started += 1
         if not self.asynchronous:
             path, nbytes = _save_now(self.run_dir, step, state, self.keep_last)
             written = time.perf_counter() - t0
