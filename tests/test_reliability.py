@@ -355,6 +355,24 @@ def test_nonfinite_skip_counts_and_keeps_weights_finite(tmp_path, corpus, cache,
     assert any(f"step {NAN_STEP}: non-finite gradient, step skipped" in m for m in warned), warned
 
 
+def test_nonfinite_skip_on_the_device_is_settled_for_checkpoints(tmp_path, corpus, cache, monkeypatch,
+                                                                  keep_signal_handlers, caplog):
+    """Fused AdamW on one process skips on the device: the count is read back on logged steps
+    (4, 8) and before each checkpoint (2, 4, 6, 8), so step 6's checkpoint already has it."""
+    from training.checkpoint import read_train_state
+
+    nan_at_step(monkeypatch, NAN_STEP)
+    train_in_process(tmp_path, corpus, cache, NF_EXTRA + ["trainer.nonfinite=skip", "optim.fused=true",
+                                                          "trainer.log_every=4"])
+    run = tmp_path / "run"
+    assert [read_train_state(ckpt(run, s))["skipped_steps"] for s in (2, 4, 6, 8)] == [0, 0, 1, 1]
+    assert {s: r["skipped_steps"] for s, r in last_row_per_step(run).items() if "loss" in r} == {4: 0, 8: 1}
+    for k, w in weights(ckpt(run, 8)).items():
+        assert torch.isfinite(w).all(), k
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"steps {NAN_STEP}-6: 1 non-finite gradient step skipped (1 so far)" in warned, warned
+
+
 def test_nonfinite_stop_names_step_and_tensor(tmp_path, corpus, cache, monkeypatch, keep_signal_handlers):
     from training.errors import TrainingError
 

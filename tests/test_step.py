@@ -1,4 +1,6 @@
 """training/step.py: the one definition of a training step (the loop and bench_step run it)."""
+import math
+
 import pytest
 import torch
 
@@ -86,3 +88,132 @@ def test_marks_name_every_phase_per_micro_batch():
     seen = []
     train_step(parts_for(tiny(), accum=2), TrainState(), iter(batches(2, 4)).__next__, mark=seen.append)
     assert seen == ["data", "forward", "backward"] * 2 + ["optimizer"]
+
+
+# ---------------------------------------------------------------- the non-finite skip on the device
+
+class NaNAt(torch.nn.Module):
+    """The model, with a NaN loss (so NaN gradients) on the given forward calls (1-based)."""
+
+    def __init__(self, model, calls):
+        super().__init__()
+        self.model, self.calls, self.n = model, set(calls), 0
+
+    def forward(self, x, y):
+        self.n += 1
+        loss = self.model(x, y)
+        return loss * float("nan") if self.n in self.calls else loss
+
+
+def fused_parts(model, nan_calls=(), **kw):
+    """One process, fused AdamW (CPU has one too), nonfinite=skip: the device path."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    return StepParts(model=model, train_module=NaNAt(model, nan_calls), optimizer=opt, dist=Dist(), accum=1,
+                     tokens_per_step=4 * S, lr_at=lambda step: 1e-2 * (step + 1), grad_clip=1.0, **kw)
+
+
+def snapshot(p: StepParts) -> dict:
+    out = {f"w.{k}": v.clone() for k, v in p.model.state_dict().items()}
+    for i, q in enumerate(p.params):
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in p.optimizer.state[q].items()})
+    return out
+
+
+def assert_bitwise(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_which_steps_skip_on_the_device():
+    model = tiny()
+    assert fused_parts(model).skip_on_device
+    assert not fused_parts(model, nonfinite="stop").skip_on_device  # it names the step and tensor
+    assert not parts_for(model).skip_on_device  # an unfused AdamW
+    assert not parts_for(model, sgd=True).skip_on_device
+    several = fused_parts(model)
+    several.dist = Dist(world_size=2)  # every rank must agree every step
+    assert not several.skip_on_device
+
+
+def test_a_non_finite_step_is_skipped_on_the_device(caplog):
+    """Weights and AdamW state (step included) bitwise unchanged by a skipped step; the count is
+    settled (with one warning for the range) on the next logged step, or by settle_skipped."""
+    p, state = fused_parts(tiny(), nan_calls=(2, 3, 6)), TrainState()
+    data = iter(batches(8, 4)).__next__
+    assert train_step(p, state, data).applied is None  # not logged: not known
+    before = snapshot(p)
+    train_step(p, state, data)
+    train_step(p, state, data)
+    assert_bitwise(snapshot(p), before)  # steps 2 and 3 skipped: nothing moved
+    assert state.skipped_steps == 0 and state.pending_skips is not None  # not read back yet
+    out = train_step(p, state, data, log=True)
+    assert out.applied and state.skipped_steps == 2 and state.pending_skips is None
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["steps 1-4: 2 non-finite gradient steps skipped (2 so far)"]  # since the last report
+    assert not snapshot(p)["opt.0.step"].isnan() and snapshot(p)["opt.0.step"].item() == 2  # steps 1 and 4
+
+    out = train_step(p, state, data)
+    assert out.applied is None
+    state.settle_skipped()  # step 5 was finite: no warning
+    assert state.skipped_steps == 2 and len(caplog.records) == 1
+    out = train_step(p, state, data, log=True)  # step 6: NaN, logged
+    assert out.applied is False and math.isnan(out.grad_norm) and state.skipped_steps == 3
+    assert caplog.records[-1].getMessage() == "step 6: non-finite gradient, step skipped (3 so far)"
+    assert all(torch.isfinite(w).all() for w in p.model.state_dict().values())
+    state.settle_skipped()  # nothing pending
+    assert state.skipped_steps == 3 and len(caplog.records) == 2
+
+
+def test_the_device_skip_equals_the_synchronous_one_bitwise(monkeypatch):
+    """Finite or not, the device path gives bitwise the weights and optimizer state of the
+    synchronous path (the same fused AdamW, the skip decided on the host)."""
+    def run(nan_calls, sync):
+        p, state = fused_parts(tiny(), nan_calls=nan_calls), TrainState()
+        data = iter(batches(6, 4)).__next__
+        with monkeypatch.context() as m:
+            if sync:
+                m.setattr(StepParts, "skip_on_device", property(lambda self: False))
+            for i in range(6):
+                train_step(p, state, data, log=i == 3)
+        state.settle_skipped()
+        return snapshot(p), state.skipped_steps
+
+    for nan_calls in ((), (2, 5)):
+        (dev, dev_skipped), (sync, sync_skipped) = run(nan_calls, sync=False), run(nan_calls, sync=True)
+        assert_bitwise(dev, sync)
+        assert dev_skipped == sync_skipped == len(nan_calls)
+
+
+def test_a_device_step_that_is_not_logged_reads_nothing_back(monkeypatch):
+    """No agree, no .item() / .tolist() / bool() of a tensor: nothing waits for the device."""
+    import training.step
+
+    p, state = fused_parts(tiny(), nan_calls=(3,)), TrainState()
+    data = iter(batches(4, 4)).__next__
+    train_step(p, state, data)  # the optimizer's state is created on the first step
+    reads = []
+
+    def agree(*a, **k):
+        raise AssertionError("agree on the device path")
+
+    monkeypatch.setattr(training.step, "agree", agree)
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name: reads.append(_name) or _real(self, *a))
+    stops = []
+    for _ in range(2):  # a finite step, then a NaN one
+        train_step(p, state, data, stop_requested=lambda: stops.append(1) or False)
+    assert reads == [] and len(stops) == 2
+    monkeypatch.undo()
+    state.settle_skipped()
+    assert state.skipped_steps == 1
+
+
+def test_nonfinite_stop_with_a_fused_optimizer_names_step_and_tensor():
+    p = fused_parts(tiny(), nan_calls=(2,), nonfinite="stop")
+    state, data = TrainState(), iter(batches(2, 4)).__next__
+    train_step(p, state, data)
+    with pytest.raises(TrainingError, match=r"step 2: non-finite gradient \(loss nan\) first in \S+ "
+                                            r".*trainer.nonfinite=stop"):
+        train_step(p, state, data)

@@ -146,6 +146,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     def checkpoint(done: int) -> None:
+        state.settle_skipped()  # the exact count into the checkpoint
         bad = [n for n, p in model.named_parameters() if not torch.isfinite(local(p)).all()]
         if agree([bool(bad)], d)[0]:  # never write a broken model over good checkpoints
             where = f"{bad[0]}, {len(bad)} tensor(s)" if bad else "on another rank"
@@ -217,6 +218,7 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
                           f"command plus trainer.resume=auto hydra.run.dir={run_dir}")
                 break
         bar.close()
+        state.settle_skipped()  # steps skipped on the device since the last logged step, warned
     except BaseException:
         ckpt.close(raise_errors=False)  # a save in flight completes (or is logged as failed)
         logger.close()  # metrics.jsonl closed and the wandb run finished, even on errors

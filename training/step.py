@@ -2,7 +2,12 @@
 scripts/bench_step.py times, so that the benchmark measures what training runs.
 
     sparsity switch -> LR -> micro-batches (forward, backward, gradient accumulation)
-    -> clip -> non-finite check (every rank agrees) -> AdamW (-> float8 scales) -> statistics (logged steps only)
+    -> clip -> non-finite check -> AdamW (-> float8 scales) -> statistics (logged steps only)
+
+The non-finite check: one process, nonfinite=skip and a fused Adam/AdamW skip on the device (the
+optimizer's found_inf), with no host sync; the count of skipped steps is read back on logged steps
+and by `TrainState.settle_skipped`. Otherwise (several ranks must agree, nonfinite=stop names
+the tensor, an unfused optimizer) the norm is read back every step and the step skipped on the host.
 """
 import logging
 import math
@@ -28,9 +33,23 @@ class TrainState:
     skipped_steps: int = 0    # steps whose gradients were non-finite and were not applied
     elapsed_s: float = 0.0    # training wall-clock time, carried over resumes
     loader: Any = field(default=None, repr=False, compare=False)  # the TokenLoader (state_dict / load_state_dict)
+    # skipped on the device and not yet in skipped_steps (a 0-dim tensor), counted from step pending_from
+    pending_skips: Optional[Tensor] = field(default=None, repr=False, compare=False)
+    pending_from: int = field(default=0, repr=False, compare=False)
 
     def counters(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "loader"}
+        return {k: v for k, v in asdict(self).items() if k not in ("loader", "pending_skips", "pending_from")}
+
+    def settle_skipped(self) -> None:
+        """Add the steps skipped on the device to skipped_steps (a host sync), with one warning for
+        them. Logged steps do it; the loop calls it where it needs the exact count (checkpoints)."""
+        if self.pending_skips is None:
+            return
+        n, first = int(self.pending_skips.item()), self.pending_from
+        self.pending_skips = None
+        if n:
+            self.skipped_steps += n
+            warn_skipped(first, self.step, n, self.skipped_steps)
 
 
 @dataclass
@@ -53,12 +72,20 @@ class StepParts:
         if not self.params:
             self.params = [p for p in self.model.parameters() if p.requires_grad]
 
+    @property
+    def skip_on_device(self) -> bool:
+        """The optimizer can skip a non-finite step itself, and no other rank needs telling."""
+        o = self.optimizer
+        return (self.dist.world_size == 1 and self.nonfinite == "skip" and isinstance(o, torch.optim.Adam)
+                and all(g["fused"] and not g["differentiable"] for g in o.param_groups))
+
 
 @dataclass
 class StepResult:
     lr: float
     sparse_on: bool
-    applied: bool                 # False: non-finite gradients, the optimizer step was skipped
+    applied: Optional[bool]       # False: non-finite gradients, the step was skipped; None: not known
+                                  # (skipped on the device, a step that is not logged)
     stop: bool                    # some rank asked to stop (a signal): checkpoint and leave
     data_s: float                 # host time spent getting batches
     loss: Optional[float] = None  # logged steps: mean over micro-batches and ranks
@@ -71,10 +98,11 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
                mark: Optional[Callable[[str], None]] = None) -> StepResult:
     """One optimizer step from `state.step`; advances `state`. `next_batch` gives this rank's
     (x, y) micro-batch on the device. `log`: collect the FFN statistics and read the loss back
-    (the only host syncs besides the non-finite check). `mark(phase)` is called after each
-    phase ("data", "forward", "backward" per micro-batch, "optimizer"), for the benchmark.
-    `stop_requested()` is asked after the backward (a signal that came during the step still
-    stops after it), in the same all-reduce as the non-finite check."""
+    (the only host syncs besides the non-finite check, which has none when `p.skip_on_device`).
+    `mark(phase)` is called after each phase ("data", "forward", "backward" per micro-batch,
+    "optimizer"), for the benchmark. `stop_requested()` is asked after the backward (a signal
+    that came during the step still stops after it), with several ranks in the same all-reduce
+    as the non-finite check."""
     mark = mark or (lambda phase: None)
     model, d, step = p.model, p.dist, state.step
     sparse_on = p.sparse_from is not None and step >= p.sparse_from
@@ -99,31 +127,58 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
         loss_sum += loss.detach()
 
     grad_norm = clip_grad_norm(p.params, p.grad_clip if p.grad_clip > 0 else math.inf)  # global over ranks
-    # one small all-reduce per step, so that every rank skips (or stops) together; it reads the
-    # gradient norm back: a host sync per step, before the optimizer
-    nonfinite, stop = agree([not torch.isfinite(grad_norm).item(), stop_requested()], d)
-    if not nonfinite:  # a NaN never reaches the weights
-        p.optimizer.step()
-        float8_after_optimizer_step(model)  # FSDP2 + tensorwise float8: the next all-gathers' scales
-    elif p.nonfinite == "stop":
-        raise TrainingError(nonfinite_report(step + 1, loss_sum / p.accum, model))
+    if p.skip_on_device:
+        # fused AdamW skips the update (and keeps its step count) where found_inf is 1: the host
+        # never waits for the norm, and the count stays on the device until it is read anyway
+        found_inf = torch.isfinite(grad_norm).logical_not().to(torch.float32)
+        p.optimizer.found_inf = found_inf
+        try:
+            p.optimizer.step()
+        finally:
+            del p.optimizer.found_inf
+        float8_after_optimizer_step(model)  # weights unchanged on a skip: the same scales
+        if state.pending_skips is None:
+            state.pending_skips, state.pending_from = torch.zeros((), device=found_inf.device), step + 1
+        state.pending_skips += found_inf
+        applied, stop = None, stop_requested()
     else:
-        state.skipped_steps += 1
-        if d.is_main:
-            logging.getLogger(__name__).warning(
-                f"step {step + 1}: non-finite gradient, step skipped ({state.skipped_steps} so far)")
+        # one small all-reduce per step, so that every rank skips (or stops) together; it reads the
+        # gradient norm back: a host sync per step, before the optimizer
+        nonfinite, stop = agree([not torch.isfinite(grad_norm).item(), stop_requested()], d)
+        applied = not nonfinite
+        if not nonfinite:  # a NaN never reaches the weights
+            p.optimizer.step()
+            float8_after_optimizer_step(model)  # FSDP2 + tensorwise float8: the next all-gathers' scales
+        elif p.nonfinite == "stop":
+            raise TrainingError(nonfinite_report(step + 1, loss_sum / p.accum, model))
+        else:
+            state.skipped_steps += 1
+            if d.is_main:
+                warn_skipped(step + 1, step + 1, 1, state.skipped_steps)
     p.optimizer.zero_grad(set_to_none=True)
     mark("optimizer")
     state.step += 1
     state.tokens += p.tokens_per_step
 
-    out = StepResult(lr=lr, sparse_on=sparse_on, applied=not nonfinite, stop=stop, data_s=data_s)
+    out = StepResult(lr=lr, sparse_on=sparse_on, applied=applied, stop=stop, data_s=data_s)
     if log:
         model.collect_ffn_stats(False)
         out.loss = (sum_over_ranks(loss_sum / p.accum, d) / d.world_size).item()
         out.grad_norm = grad_norm.item()
         out.stats = sum_over_ranks(model.pop_ffn_stats(), d).cpu()
+        if out.applied is None:
+            out.applied = math.isfinite(out.grad_norm)
+            state.settle_skipped()
     return out
+
+
+def warn_skipped(first: int, last: int, n: int, total: int) -> None:
+    """The warning for n non-finite steps skipped in steps first..last (1-based)."""
+    if first == last:
+        msg = f"step {first}: non-finite gradient, step skipped ({total} so far)"
+    else:
+        msg = f"steps {first}-{last}: {n} non-finite gradient step{'s' if n > 1 else ''} skipped ({total} so far)"
+    logging.getLogger(__name__).warning(msg)
 
 
 def grad_sync(train_module: nn.Module, last: bool):
