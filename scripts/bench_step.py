@@ -235,7 +235,7 @@ def bench(cfg, args, d) -> dict:
     parts = StepParts(model=model, train_module=step_module, optimizer=opt, dist=d, accum=args.accum,
                       tokens_per_step=args.accum * B * S * d.world_size, lr_at=lambda step: lr,
                       grad_clip=cfg.optim.grad_clip, sparse_from=0 if cfg.ffn.kind == "srelu24" else None,
-                      autocast=autocast_for(t.precision, t.strategy, device))
+                      autocast=autocast_for(t.precision, t.strategy, device), nonfinite=t.nonfinite)
     state = TrainState()
     clock, rows = Clock(device), []
 
