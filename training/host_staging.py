@@ -103,11 +103,15 @@ class HostStaging(AsyncStager):
 
 
 def _host_like(x: Tensor, buffer: Tensor, offset: int, size: int) -> Tensor:
-    """x's host copy: a view of `buffer` with x's (local) shape and dtype. A DTensor keeps its
+    """x's host copy: `size` bytes of `buffer` at `offset`, with x's (local) shape and dtype. A DTensor keeps its
     mesh and placements (what DCP writes as the shard's place in the whole tensor): a host DTensor
     whose shard is the view, as torch's own staging builds it."""
     local = _local(x)
-    view = buffer[offset:offset + size].view(local.dtype).view(local.shape)
+    if size == 0:
+        view = torch.empty(local.shape, dtype=local.dtype)
+    else:  # a storage of its own bytes only: DCP clones a tensor whose storage is larger before it writes it
+        view = torch.frombuffer(buffer.numpy(), dtype=torch.uint8, count=size, offset=offset)
+        view = view.view(local.dtype).view(local.shape)
     if local is x:
         return view
     host = x.detach().to("cpu")  # the DTensor's metadata on the host (its shard copied once, then replaced)
