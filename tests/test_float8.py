@@ -32,6 +32,22 @@ def linear_types(model: nn.Module) -> dict:
     return {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
+def adamw_losses(model: nn.Module, opt, batches: list, steps: int) -> list[float]:
+    """`steps` AdamW steps (bf16 autocast) over `batches` in turn, float8's scales refreshed after
+    each as the trainer's step does: the loss of each step."""
+    losses = []
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        with torch.autocast(batch.device.type, dtype=torch.bfloat16):
+            loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float8.float8_after_optimizer_step(model)
+        losses.append(loss.item())
+    return losses
+
+
 # ---------------------------------------------------------------- which linears convert
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -154,15 +170,7 @@ def test_float8_training_follows_bf16_on_cpu(monkeypatch, kind, recipe):
         t = TrainerConfig(float8=r, device="cpu")
         model, _ = build_model(lambda: Transformer(TINY, FFNConfig(kind=kind), 96), t, Dist(), 0, False)
         opt = build_optimizer(model, OptimConfig(lr=3e-3, warmup_steps=0), torch.device("cpu"))
-        losses[r] = []
-        for _ in range(6):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(batch[:, :-1], batch[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            float8.float8_after_optimizer_step(model)
-            losses[r].append(loss.item())
+        losses[r] = adamw_losses(model, opt, [batch], 6)
     ref, got = losses[Float8.none], losses[recipe]
     assert ref[-1] < ref[0] - 0.05 and got[-1] < got[0] - 0.05  # both learn
     assert got != ref and all(abs(a - b) / b < 0.02 for a, b in zip(got, ref)), (got, ref)
@@ -429,16 +437,7 @@ def test_compiled_float8_training_on_cuda_follows_bf16(kind, recipe):
         opt = build_optimizer(model, OptimConfig(lr=1e-3, warmup_steps=0), device)
         g = torch.Generator().manual_seed(8)
         batches = [torch.randint(0, 1024, (8, 257), generator=g).to(device) for _ in range(4)]
-        losses[r] = []
-        for step in range(20):
-            batch = batches[step % 4]  # seen again and again: the loss falls fast
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(batch[:, :-1], batch[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            float8.float8_after_optimizer_step(model)
-            losses[r].append(loss.item())
+        losses[r] = adamw_losses(model, opt, batches, 20)  # each batch seen 5 times: the loss falls fast
         torch._dynamo.reset()
     ref, got = losses[Float8.none], losses[recipe]
     assert ref[-1] < ref[0] - 0.4, (got, ref)  # it learns (bf16 fell 7.04 -> 6.43 on an H200)
