@@ -51,14 +51,14 @@ def load_config(overrides: list[str]):
 
 
 class Clock:
-    """Phase timer for train_step's marks: CUDA events on a GPU (no sync inside the step),
+    """Phase timer for train_step's marks: CUDA events on a GPU (no sync inside or between steps),
     perf_counter on CPU. Each phase's time is summed over its marks (micro-batches)."""
 
     PHASES = ("data", "forward", "backward", "optimizer")
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.marks = []
+        self.steps = []  # per step since the last read: its (phase, mark) pairs
 
     def now(self):
         if self.cuda:
@@ -68,19 +68,25 @@ class Clock:
         return time.perf_counter()
 
     def start(self) -> None:
-        self.marks = [("start", self.now())]
+        self.steps.append([("start", self.now())])
 
     def mark(self, phase: str) -> None:
-        self.marks.append((phase, self.now()))
+        self.steps[-1].append((phase, self.now()))
 
-    def phases_ms(self) -> list[float]:
-        """Milliseconds per phase (PHASES order) since start()."""
-        if self.cuda:
-            self.marks[-1][1].synchronize()
-        out = dict.fromkeys(self.PHASES, 0.0)
-        for (_, a), (phase, b) in zip(self.marks, self.marks[1:]):
-            out[phase] += a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-        return [out[p] for p in self.PHASES]
+    def phases_ms(self) -> list[list[float]]:
+        """Milliseconds per phase (PHASES order) of each step since the last call. One sync, after
+        the last step: the steps ran back to back, as the trainer runs its unlogged steps; a GPU
+        gap between two steps counts in the next one's data phase."""
+        steps, self.steps = self.steps, []
+        if self.cuda and steps:
+            steps[-1][-1][1].synchronize()
+        rows = []
+        for marks in steps:
+            out = dict.fromkeys(self.PHASES, 0.0)
+            for (_, a), (phase, b) in zip(marks, marks[1:]):
+                out[phase] += a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            rows.append([out[p] for p in self.PHASES])
+        return rows
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
@@ -237,7 +243,7 @@ def bench(cfg, args, d) -> dict:
                       grad_clip=cfg.optim.grad_clip, sparse_from=0 if cfg.ffn.kind == "srelu24" else None,
                       autocast=autocast_for(t.precision, t.strategy, device), nonfinite=t.nonfinite)
     state = TrainState()
-    clock, rows = Clock(device), []
+    clock = Clock(device)
 
     def next_batch():
         tokens = torch.randint(1, vocab, (B, S + 1))
@@ -245,17 +251,18 @@ def bench(cfg, args, d) -> dict:
         tokens = tokens.to(device, non_blocking=True)
         return tokens[:, :-1], tokens[:, 1:]
 
-    def train_step_timed(log: bool = None) -> list[float]:
+    def train_step_timed(log: bool = None) -> None:
         clock.start()
         log = (state.step + 1) % t.log_every == 0 if log is None else log  # statistics on the trainer's logged steps
         train_step(parts, state, next_batch, log=log, mark=clock.mark)
-        return clock.phases_ms()
 
     for i in range(max(args.warmup, 2)):  # a logged step too: it compiles its own graph (the statistics)
         train_step_timed(log=i == 0)
+    clock.phases_ms()  # the warmup's: dropped
     with ClockSampler(device) if device.type == "cuda" else nullcontext() as clocks:
         for _ in range(args.steps):
-            rows.append(train_step_timed())  # phases_ms synchronises: the samples cover the steps
+            train_step_timed()
+        rows = clock.phases_ms()  # synchronises: the samples cover the steps
     data, fw, bw, op = (statistics.median(col) for col in zip(*rows))
     kernels = profile_kernels(train_step_timed, args.profile) if args.profile and device.type == "cuda" else None
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None  # the steps' own

@@ -96,3 +96,22 @@ def test_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ffn.py"), "--density", "1.5"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--density is the fraction of positive pre-activations, in (0, 1); got 1.5" in r.stderr
+
+
+def test_bench_steps_clock_reads_every_step_once_after_the_last():
+    """bench_step's Clock: the marks of several steps, read in one go (no sync between steps),
+    summed per phase (two micro-batches), each step's row once."""
+    import time
+
+    from scripts.bench_step import Clock
+
+    c = Clock(torch.device("cpu"))
+    for _ in range(3):
+        c.start()
+        for phase in ("data", "forward", "backward", "data", "forward", "backward", "optimizer"):
+            time.sleep(0.002)
+            c.mark(phase)
+    rows = c.phases_ms()
+    assert len(rows) == 3 and c.phases_ms() == []
+    for data, fw, bw, op in rows:
+        assert min(data, fw, bw) >= 3.5 and op >= 1.5  # two marks each, one for the optimizer
