@@ -11,8 +11,7 @@ the state's bytes (the pinned caching allocator would round each tensor up to a 
 cannot overlap another registration.
 
 It is an `AsyncStager` for `torch.distributed.checkpoint.async_save`. Its `close()` keeps the
-copy (some torch versions close the stager they were given once an upload ends); `release()`
-frees it.
+copy, should DCP close the stager it was given after an upload; `release()` frees it.
 """
 import threading
 from typing import Any, Optional
@@ -89,7 +88,7 @@ class HostStaging(AsyncStager):
         """stage() is complete when it returns."""
 
     def close(self) -> None:
-        """Kept for the next save (DCP may call this after each upload): see release()."""
+        """Kept for the next save, should DCP call this after an upload: see release()."""
 
     def release(self) -> None:
         """Free the host copy (after the last write from it is complete)."""
