@@ -76,6 +76,19 @@ def probe_shape(m: int, k: int, n: int, max_ids: int) -> dict:
     row["e4m3 2:4 ids"] = ids
     good = [(v["ms"], i) for i, v in ids.items() if "ms" in v and v["rel"] < 1e-2]
     row["e4m3 2:4 best"], row["e4m3 2:4 best id"] = min(good) if good else (float("nan"), None)
+    if good:  # per-row scales (alpha, length M: the sparse operand's rows) and the transposed result (dW2)
+        alg, alpha = row["e4m3 2:4 best id"], torch.rand(m, device="cuda") + 0.5
+        scaled = want * alpha[:, None]
+        for tr in (False, True):
+            def run():
+                return torch._cslt_sparse_mm(c8, b8, alpha=alpha, out_dtype=torch.bfloat16, alg_id=alg,
+                                             transpose_result=tr)
+            try:
+                got = run()
+                row[f"alpha{' transposed' if tr else ''} rel"] = rel(got.t() if tr else got, scaled)
+                row[f"alpha{' transposed' if tr else ''} ms"] = bench(run)
+            except RuntimeError as e:
+                row[f"alpha{' transposed' if tr else ''} error"] = str(e)[:120]
     try:  # what torch's own search picks
         row["e4m3 2:4 search id"] = torch._cslt_sparse_mm_search(c8, b8, out_dtype=torch.bfloat16)
     except RuntimeError as e:
