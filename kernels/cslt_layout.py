@@ -9,6 +9,14 @@ and verified byte-for-byte against `torch._cslt_compress` (docs/METHOD.md, cuSPA
   consecutive nibbles, tiles along K first, then down 64-row bands.
 
 M must be a multiple of 64 (pad tokens) and K a multiple of 32.
+
+e4m3 (float8_e4m3fn) matrices, worked out the same way (lab/probe_cslt_fp8_layout.py, and
+tests/test_cslt_layout_e4m3.py against buffers of torch._cslt_compress): the values are the same
+[M, K/2] row-major stream, one byte each; the metadata follows as bytes, the same nibbles (low
+nibble first), but each 64-row x 64-column tile owns 1024 consecutive nibbles, in another order
+(nibble_index_e4m3). One e4m3 tile covers two bf16 tiles of the same band, so a bf16 buffer's
+metadata becomes an e4m3 buffer's by one fixed permutation of each 512-byte block
+(e4m3_metadata). K must be a multiple of 64.
 """
 import torch
 from torch import Tensor
@@ -78,3 +86,88 @@ def decompress(buf: Tensor, m: int, k: int) -> Tensor:
     out.scatter_(-1, (nib & 3)[..., None].long(), values[..., :1])
     out.scatter_(-1, ((nib >> 2) & 3)[..., None].long(), values[..., 1:])
     return out.reshape(m, k)
+
+
+E4M3_COLS_PER_CHUNK = 64
+
+
+def check_shape_e4m3(m: int, k: int) -> None:
+    if m % ROWS_PER_BAND or k % E4M3_COLS_PER_CHUNK:
+        raise ValueError(f"the sm90 e4m3 2:4 layout needs rows % {ROWS_PER_BAND} == 0 and cols % "
+                         f"{E4M3_COLS_PER_CHUNK} == 0, got [{m}, {k}]")
+
+
+def compressed_bytes_e4m3(m: int, k: int) -> int:
+    """Bytes of an e4m3 buffer: values M*K/2, then M*K/8 of metadata ([M, 5K/8], as _cslt_compress)."""
+    return m * k // 2 + m * k // 8
+
+
+def nibble_index_e4m3(r: Tensor, g: Tensor, k: int) -> Tensor:
+    """Position in an e4m3 buffer's metadata nibble stream of row r, group g of an [M, k] matrix."""
+    rb, rr = r // 64, r % 64
+    kc, gg = g // 16, g % 16
+    inner = ((gg & 1) | (((rr >> 3) & 1) << 1) | (((gg >> 3) & 1) << 2) | (((gg >> 1) & 3) << 3)
+             | ((rr & 7) << 5) | (((rr >> 4) & 3) << 8))
+    return (rb * (k // 64) + kc) * 1024 + inner
+
+
+def _nibble_stream(words: Tensor, per_word: int) -> Tensor:
+    """The nibbles (int32, low first) of a 1-D tensor of 16-bit or 8-bit words."""
+    w = words.to(torch.int32) & ((1 << (4 * per_word)) - 1)
+    return torch.stack([(w >> (4 * j)) & 0xF for j in range(per_word)], -1).reshape(-1)
+
+
+def _pack_bytes(nibbles: Tensor) -> Tensor:
+    q = nibbles.reshape(-1, 2)
+    return (q[:, 0] | (q[:, 1] << 4)).to(torch.uint8)
+
+
+def compress_e4m3(a: Tensor, keep: Tensor) -> Tensor:
+    """The compressed e4m3 buffer (uint8 [M, 5K/8]) of an e4m3 a [M, K] under the 2:4 mask `keep`."""
+    m, k = a.shape
+    check_shape_e4m3(m, k)
+    p0, p1 = kept_positions(keep.reshape(m, k // 4, 4))
+    groups = a.view(torch.uint8).reshape(m, k // 4, 4)
+    values = torch.stack([groups.gather(-1, p0[..., None])[..., 0], groups.gather(-1, p1[..., None])[..., 0]], -1)
+    rows = torch.arange(m, device=a.device)[:, None].expand(m, k // 4)
+    cols = torch.arange(k // 4, device=a.device)[None, :].expand(m, k // 4)
+    nibbles = torch.empty(m * k // 4, dtype=torch.int32, device=a.device)
+    nibbles[nibble_index_e4m3(rows, cols, k).reshape(-1)] = (p0 | (p1 << 2)).reshape(-1).to(torch.int32)
+    return torch.cat([values.reshape(-1), _pack_bytes(nibbles)]).view(m, -1)
+
+
+def decompress_e4m3(buf: Tensor, m: int, k: int) -> Tensor:
+    """Inverse of compress_e4m3: the dense e4m3 [M, K] (zeros where nothing is kept)."""
+    check_shape_e4m3(m, k)
+    buf = buf.reshape(-1).view(torch.uint8)
+    values = buf[: m * k // 2].reshape(m, k // 4, 2)
+    nibbles = _nibble_stream(buf[m * k // 2:], 2)
+    rows = torch.arange(m, device=buf.device)[:, None].expand(m, k // 4)
+    cols = torch.arange(k // 4, device=buf.device)[None, :].expand(m, k // 4)
+    nib = nibbles[nibble_index_e4m3(rows, cols, k)]
+    out = torch.zeros(m, k // 4, 4, dtype=torch.uint8, device=buf.device)
+    out.scatter_(-1, (nib & 3)[..., None].long(), values[..., :1])
+    out.scatter_(-1, ((nib >> 2) & 3)[..., None].long(), values[..., 1:])
+    return out.reshape(m, k).view(torch.float8_e4m3fn)
+
+
+_PERMUTATION: dict = {}
+
+
+def bf16_to_e4m3_nibble_order(device) -> Tensor:
+    """P [1024]: nibble i of an e4m3 tile's metadata is nibble P[i] of the two bf16 tiles it covers."""
+    if device not in _PERMUTATION:
+        rr = torch.arange(64)[:, None].expand(64, 16)
+        gg = torch.arange(16)[None, :].expand(64, 16)
+        p = torch.empty(1024, dtype=torch.long)
+        p[nibble_index_e4m3(rr, gg, 64).reshape(-1)] = nibble_index(rr, gg, 64).reshape(-1)
+        _PERMUTATION[device] = p.to(device)
+    return _PERMUTATION[device]
+
+
+def e4m3_metadata(bf16_metadata: Tensor, m: int, k: int) -> Tensor:
+    """A bf16 buffer's metadata (its M*K/16 16-bit words, any 16-bit dtype) as an e4m3 buffer's
+    (M*K/8 bytes, uint8): the same nibbles, permuted within each 1024-nibble block."""
+    check_shape_e4m3(m, k)
+    nibbles = _nibble_stream(bf16_metadata.reshape(-1).view(torch.int16), 4).view(-1, 1024)
+    return _pack_bytes(nibbles[:, bf16_to_e4m3_nibble_order(nibbles.device)])
