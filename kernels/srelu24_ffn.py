@@ -4,7 +4,9 @@ kernels/cusparselt.py; algorithm ids from torch's search).
 Same function as kernels.srelu24_reference.srelu24_ffn (its reference), GEMM by GEMM:
 
     forward   Z = X W1^T (dense; in float8 under trainer.float8: kernels/fp8_gemm.py);
-              A24 = fused srelu + 2:4 + compress; Y = A24 W2^T (sparse);
+              A24 = fused srelu + 2:4 + compress; Y = A24 W2^T (sparse; in e4m3 under
+              trainer.float8 unless ffn.sparse_float8=false, as the other three sparse
+              GEMMs: kernels/fp8_sparse.py);
               compressed A24 kept for the backward (9/16 of Z's bytes; Z where the CUDA kernels
               are not built, the Triton backward reads Z)
     backward  dA = dY W2 (dense; float8 as Z)
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import fp8_gemm
+from . import fp8_gemm, fp8_sparse
 from .cusparselt import cached_mm, torch_mm
 from .ffn_stats import N_SUMS, srelu24_sums_from_counts
 from .srelu24_reference import SReLU24Recipe, densest_from_counts, random_token_order
@@ -85,10 +87,17 @@ def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool) -> Tensor:
     return a @ b if float8 == "none" else fp8_gemm.mm(a, b, float8, grad)
 
 
+def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False) -> Tensor:
+    """sparse_mm, in e4m3 where asked and the shapes allow it (rows and reduction multiples of 64)."""
+    if e4m3 and fp8_sparse.usable(a, b):
+        return fp8_sparse.sparse_mm(a, b, transpose_result)
+    return sparse_mm(a, b, transpose_result)
+
+
 @torch.library.custom_op("srelu24::srelu24_ffn_fwd", mutates_args=())
 def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dense_feature_fraction: float,
                     token_permutation: bool, reuse_forward_mask: bool,
-                    float8: str = "none") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    float8: str = "none", sparse_float8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d], what the backward reads (`keeps_a24`: compressed A24 [padded_rows(T), 9F/16],
     else Z [T, F]), kept non-zeros per feature [F] int32, the statistics row [N_SUMS] float64,
     empty unless collect_stats). The last two switches are the backward's, passed here so that
@@ -99,7 +108,7 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
     # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
     totals = torch.zeros(3, dtype=torch.float64, device=z.device) if collect_stats else None
     buf, counts = srelu_sparsify_2to4(z, totals=totals)
-    y = sparse_mm(buf, w2.t())[:T]
+    y = _sparse_mm(buf, w2.t(), float8 != "none" and sparse_float8)[:T]
     # the row only on logged steps; otherwise an empty tensor (no launch on the hot path)
     row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))
@@ -107,7 +116,8 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
 
 
 @srelu24_ffn_fwd.register_fake
-def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask, float8="none"):
+def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask, float8="none",
+      sparse_float8=False):
     _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T, F_ = x.shape[0], w1.shape[0]
     saved = (x.new_empty(padded_rows(T), F_ * 9 // 16) if keeps_a24(x, w1, reuse_forward_mask)
@@ -126,12 +136,14 @@ def keeps_a24(x: Tensor, w1: Tensor, reuse_forward_mask: bool) -> bool:
 @torch.library.custom_op("srelu24::srelu24_ffn_bwd", mutates_args=())
 def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
                     token_permutation: bool, dense_feature_fraction: float,
-                    reuse_forward_mask: bool, float8: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+                    reuse_forward_mask: bool, float8: str = "none",
+                    sparse_float8: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(dX, dW1, dW2), all bf16. saved: the forward's compressed A24 or Z (srelu24_ffn_fwd)."""
     _check_bf16("srelu24_ffn_bwd", x=x, w1=w1, w2=w2, saved=saved)
     T, F_ = x.shape[0], w1.shape[0]
     from_a24 = saved.shape[1] != F_  # A24 is [padded T, 9F/16]
     dy = dy.to(torch.bfloat16).contiguous()
+    e4m3 = float8 != "none" and sparse_float8
     da = _dense_mm(dy, w2, float8, grad=True)              # [T, F] dense
     perm = random_token_order(T, x.device) if token_permutation else None
     dense = densest_from_counts(counts, dense_feature_fraction)
@@ -143,7 +155,7 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
         dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(saved, da, perm, dense, reuse_forward_mask,
                                                                      slots=slots)
     if reuse_forward_mask:
-        dx = sparse_mm(dz_buf, w1)[:T]
+        dx = _sparse_mm(dz_buf, w1, e4m3)[:T]
         if perm is not None:  # back to token order: a gather by the inverse (a scatter took 3x as long)
             inverse = torch.empty_like(perm)
             inverse[perm] = torch.arange(T, device=perm.device, dtype=perm.dtype)
@@ -154,22 +166,24 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
-    dw2 = sparse_mm(s_a, dy_p, transpose_result=True)      # [d, F], no transpose pass
+    dw2 = _sparse_mm(s_a, dy_p, e4m3, transpose_result=True)  # [d, F], no transpose pass
     if dense is not None:  # zero in the sparse product: the dense features' exact columns
         write_dense_columns(dw2, slots, a_dense @ dy_p)
-    dw1 = sparse_mm(s_dz, x_p)                             # [F, d]
+    dw1 = _sparse_mm(s_dz, x_p, e4m3)                      # [F, d]
     if dense is not None:  # and rows
         write_dense_rows(dw1, dense, dz_dense @ x_p)
     return dx.contiguous(), dw1.contiguous(), dw2
 
 
 @srelu24_ffn_bwd.register_fake
-def _(dy, x, w1, w2, saved, counts, token_permutation, dense_feature_fraction, reuse_forward_mask, float8="none"):
+def _(dy, x, w1, w2, saved, counts, token_permutation, dense_feature_fraction, reuse_forward_mask, float8="none",
+      sparse_float8=False):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask, ctx.float8 = inputs
+    (x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask, ctx.float8,
+     ctx.sparse_float8) = inputs
     _, saved, counts, _ = output
     ctx.save_for_backward(x, w1, w2, saved, counts)
     # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
@@ -179,25 +193,26 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts and the row do not
     if dy is None:  # Y unused by the loss (grads are not materialised)
-        return None, None, None, None, None, None, None, None
+        return (None,) * 9
     x, w1, w2, saved, counts = ctx.saved_tensors
     dx, dw1, dw2 = srelu24_ffn_bwd(dy, x, w1, w2, saved, counts, ctx.token_permutation, ctx.dense_feature_fraction,
-                                   ctx.reuse_forward_mask, ctx.float8)
-    return dx, dw1, dw2, None, None, None, None, None
+                                   ctx.reuse_forward_mask, ctx.float8, ctx.sparse_float8)
+    return dx, dw1, dw2, None, None, None, None, None, None
 
 
 srelu24_ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe, stats=None,
-                        float8: str = "none") -> Tensor:
+                        float8: str = "none", sparse_float8: bool = True) -> Tensor:
     """The srelu24 FFN on x [..., d]; adds this call's statistics row to `stats` when given.
-    float8: the dense GEMMs' recipe (trainer.float8), "none" for bf16."""
+    float8: the dense GEMMs' recipe (trainer.float8), "none" for bf16; sparse_float8: with float8
+    set, the 2:4 GEMMs in e4m3 as well (row-wise power-of-2 scales, kernels/fp8_sparse.py)."""
     shape = x.shape
     dt = torch.bfloat16  # casts outside the ops: autograd returns fp32 gradients to fp32 weights
     y, _, _, row = srelu24_ffn_fwd(x.reshape(-1, shape[-1]).to(dt), w1.to(dt), w2.to(dt), stats is not None,
                                    recipe.dense_feature_fraction, recipe.token_permutation,
-                                   recipe.reuse_forward_mask, float8)
+                                   recipe.reuse_forward_mask, float8, sparse_float8)
     if stats is not None:
         stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])

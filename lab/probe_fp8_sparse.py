@@ -102,12 +102,34 @@ def probe_shape(m: int, k: int, n: int, max_ids: int) -> dict:
     return row
 
 
+def pieces(t: int, d: int, f: int) -> dict:
+    """kernels/fp8_sparse.py's passes around each e4m3 GEMM at the FFN's shapes, ms."""
+    from kernels import fp8_sparse
+    from kernels.cslt_layout import compress
+    from kernels.srelu24_reference import mask_2to4
+
+    out = {}
+    for m, k in ((t, f), (f, t)):
+        a = torch.relu(torch.randn(m, k, device="cuda")) ** 2
+        buf = compress(a.bfloat16(), mask_2to4(a))
+        out[f"compressed_to_e4m3 [{m}, {k}]"] = bench(lambda: fp8_sparse.compressed_to_e4m3(buf, m, k))
+        out[f"copy of the bf16 buffer [{m}, {k}]"] = bench(lambda: buf.clone())
+    w1, x = torch.randn(f, d, device="cuda", dtype=torch.bfloat16), torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    out[f"kmajor_e4m3 W2^T (rows of [{d}, {f}])"] = bench(lambda: fp8_sparse.kmajor_e4m3(w1.t().contiguous().t()))
+    out[f"kmajor_e4m3 W1 (transposed [{f}, {d}])"] = bench(lambda: fp8_sparse.kmajor_e4m3(w1))
+    out[f"kmajor_e4m3 X (transposed [{t}, {d}])"] = bench(lambda: fp8_sparse.kmajor_e4m3(x))
+    y, r, c = x.clone(), torch.ones(t, device="cuda"), torch.ones(d, device="cuda")
+    out[f"unscale_ [{t}, {d}]"] = bench(lambda: fp8_sparse.unscale_(y, r, c))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--d", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=16512)
     ap.add_argument("--max-ids", type=int, default=24)
+    ap.add_argument("--pieces", action="store_true", help="also time kernels/fp8_sparse.py's passes")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -122,6 +144,10 @@ def main() -> int:
         for m, k in ((t, args.hidden), (args.hidden, t)):
             rows.append(probe_shape(m, k, args.d, args.max_ids))
             print(json.dumps(rows[-1]), flush=True)
+    if args.pieces:
+        for t in args.tokens:
+            for name, ms in pieces(t, args.d, args.hidden).items():
+                print(f"| {name} | {ms:.3f} ms |")
     cols = ["bf16 dense", "bf16 2:4", "e4m3 dense fast", "e4m3 dense", "e4m3 2:4 best"]
     print(f"\ncuSPARSELt {version}: ms (TFLOP/s)")
     print("| M x K x N | " + " | ".join(cols) + " | e4m3 2:4 id (search) | e4m3 2:4 / dense fast |")

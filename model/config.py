@@ -33,6 +33,7 @@ class FFNConfig:
     dense_feature_fraction: float = 0.05  # densest features kept dense in the weight grads
     reuse_forward_mask: bool = True      # backward re-applies the forward 2:4 mask to dZ
     kernels: bool = True                 # fused GPU kernels + cuSPARSELt where they run (sm80/sm90)
+    sparse_float8: bool = True           # with trainer.float8 set, the four 2:4 GEMMs in e4m3 too (false: bf16)
 
     def __post_init__(self):  # also where Hydra's config becomes objects: an unknown kind fails at start-up
         check_ffn_kind(self.kind)

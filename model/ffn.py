@@ -131,7 +131,8 @@ class SReLU24(SReLU):
     # the rows of the transposed operand (features) a multiple of 64.
     hidden_multiple = 64
 
-    def __init__(self, dim: int, hidden: int, recipe: SReLU24Recipe = SReLU24Recipe(), kernels: bool = True):
+    def __init__(self, dim: int, hidden: int, recipe: SReLU24Recipe = SReLU24Recipe(), kernels: bool = True,
+                 sparse_float8: bool = True):
         super().__init__(dim, hidden)
         if hidden % 4:
             raise ValueError(f"srelu24 needs a hidden size divisible by 4, got {hidden}")
@@ -139,11 +140,12 @@ class SReLU24(SReLU):
         self.sparse = False
         self.kernels = kernels
         self.float8 = "none"  # the kernels' dense GEMMs in float8: trainer.float8, set by training/float8.py
+        self.sparse_float8 = sparse_float8  # and, with float8 set, their 2:4 GEMMs in e4m3 (kernels/fp8_sparse.py)
 
     @classmethod
     def from_config(cls, dim: int, hidden: int, cfg) -> "SReLU24":
         recipe = SReLU24Recipe(cfg.token_permutation, cfg.dense_feature_fraction, cfg.reuse_forward_mask)
-        return cls(dim, hidden, recipe, cfg.kernels)
+        return cls(dim, hidden, recipe, cfg.kernels, cfg.sparse_float8)
 
     def set_2to4(self, active: bool) -> None:
         self.sparse = active
@@ -158,7 +160,8 @@ class SReLU24(SReLU):
             stats = self.stats if self.collect_stats else None
             recipe = replace(self.recipe, token_permutation=False) if tokens_permuted else self.recipe
             if self.kernels and kernels_available(x):
-                return srelu24_ffn_kernels(x, self.w1.weight, self.w2.weight, recipe, stats, self.float8)
+                return srelu24_ffn_kernels(x, self.w1.weight, self.w2.weight, recipe, stats, self.float8,
+                                           self.sparse_float8)
             warn_reference_path_once()
             return srelu24_ffn(x, self.w1.weight, self.w2.weight, recipe, stats)
         a = self.activation(x)

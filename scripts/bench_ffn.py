@@ -125,6 +125,37 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled, density=None, clocks
     return r
 
 
+def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=None) -> dict:
+    """fw+bw in float8, the FFN modules as the model builds them (model/ffn.py) and as
+    training/float8.py converts them: dense srelu with torchao's Float8Linear, compiled, against
+    srelu24 with float8 dense GEMMs and its 2:4 GEMMs in bf16 or in e4m3 (ffn.sparse_float8).
+    bf16 dense srelu, compiled, as the anchor."""
+    from model.ffn import SReLU, SReLU24
+    from training.config import Float8
+    from training.float8 import convert
+
+    x, gy, w1, w2 = ffn_inputs(D, Fh, T, requires_grad=True, density=density)
+    mods = {"dense_bf16": SReLU(D, Fh), "dense_float8": SReLU(D, Fh), "srelu24_float8_bf16_sparse": SReLU24(D, Fh),
+            "srelu24_float8_e4m3_sparse": SReLU24(D, Fh)}
+    mods["srelu24_float8_bf16_sparse"].sparse_float8 = False
+    runs = {}
+    for v, m in mods.items():
+        m.w1.weight.data, m.w2.weight.data = w1.detach().clone(), w2.detach().clone()
+        m = m.cuda().to(BF)
+        if isinstance(m, SReLU24):
+            m.set_2to4(True)
+            m.recipe = MODEL_RECIPE
+        if v != "dense_bf16":  # under a parent, so that the names are a model's ("ffn.w1")
+            convert(torch.nn.ModuleDict({"ffn": m}), Float8(recipe), fsdp=False)
+        fn = torch.compile(m) if not isinstance(m, SReLU24) else m
+        runs[v] = fwbw(lambda x, *ws, fn=fn: fn(x), x, list(m.parameters()), gy)
+    r = {"shape": name, "T": T, "density": density, "recipe": recipe}
+    r.update({f"fwbw_{v}_ms": bench(run) for v, run in runs.items()})
+    for v in ("srelu24_float8_bf16_sparse", "srelu24_float8_e4m3_sparse"):
+        r[f"{v}_vs_dense_float8"] = r["fwbw_dense_float8_ms"] / r[f"fwbw_{v}_ms"]
+    return r
+
+
 def breakdown(D: int, Fh: int, T: int, density=None) -> dict:
     """srelu24's fw+bw, piece by piece (each timed alone)."""
     return {k: bench(fn) for k, fn in srelu24_pieces(D, Fh, T, density).items()}
@@ -372,6 +403,8 @@ def main() -> int:
     ap.add_argument("--density", type=float, default=None,
                     help="fraction of pre-activations above zero (default: about 0.5, random init); 0.1 is "
                          "as sparse as a trained model's srelu (scripts/ffn_inputs.py)")
+    ap.add_argument("--float8", default="rowwise", choices=["tensorwise", "rowwise"],
+                    help="the recipe of the float8 part (--parts ...,float8)")
     ap.add_argument("--clocks", action="store_true",
                     help="also sample the SM clock and power (nvidia-smi) while each fw+bw variant runs")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_ffn.json")
@@ -405,10 +438,16 @@ def main() -> int:
             torch.cuda.empty_cache()
     compiled_fwbw = torch.compile(lambda x, w1, w2: F.linear(F.relu(F.linear(x, w1)).square(), w2))
     fb = []
-    for name in args.shapes.split(","):
+    for name in args.shapes.split(",") if "fwbw" in parts_wanted else []:
         for T in map(int, args.tokens.split(",")):
             fb.append(time_fwbw(name, *SHAPES[name], T, compiled_fwbw, args.density, args.clocks))
             print(json.dumps(fb[-1]), flush=True)
+            torch.cuda.empty_cache()
+    f8 = []
+    for name in args.shapes.split(",") if "float8" in parts_wanted else []:
+        for T in map(int, args.tokens.split(",")):
+            f8.append(time_fwbw_float8(name, *SHAPES[name], T, args.float8, args.density))
+            print(json.dumps(f8[-1]), flush=True)
             torch.cuda.empty_cache()
     shapes_bd = {"7B, T=16384": (4096, 16384, 16384), "1B, T=16384": (2048, 8192, 16384), "1B, T=4096": (2048, 8192, 4096)}
     bd = {k: breakdown(*v, args.density) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
@@ -418,7 +457,7 @@ def main() -> int:
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
                                     "environment": environment(), "density": args.density,
                                     "checks": checks, "forward": rows,
-                                    "fwbw": fb, "backward_derived": derived_backward(rows, fb), "breakdown": bd,
+                                    "fwbw": fb, "float8": f8, "backward_derived": derived_backward(rows, fb), "breakdown": bd,
                                     "backward_kernels": bk,
                                     "overhead": overhead}, indent=2))
     if bd:
@@ -439,6 +478,15 @@ def main() -> int:
         print(f"| {r['shape']} | {r['T']} | {r['fwbw_dense_eager_ms']:.3f} | {r['fwbw_dense_compiled_ms']:.3f} "
               f"| {r['fwbw_swiglu_ms']:.3f} | {r['fwbw_srelu24_ms']:.3f} | {r['fwbw_speedup_vs_eager']:.2f}x "
               f"| {r['fwbw_speedup_vs_compiled']:.2f}x |")
+    if f8:
+        print(f"\nforward + backward in float8 ({args.float8}; ms): dense srelu with torchao, srelu24 with its 2:4 GEMMs in "
+              "bf16 or e4m3")
+        print("| shape | T | dense bf16 | dense float8 | srelu24, bf16 2:4 | srelu24, e4m3 2:4 | e4m3 2:4 vs dense float8 |")
+        print("|---|---|---|---|---|---|---|")
+        for r in f8:
+            print(f"| {r['shape']} | {r['T']} | {r['fwbw_dense_bf16_ms']:.3f} | {r['fwbw_dense_float8_ms']:.3f} "
+                  f"| {r['fwbw_srelu24_float8_bf16_sparse_ms']:.3f} | {r['fwbw_srelu24_float8_e4m3_sparse_ms']:.3f} "
+                  f"| {r['srelu24_float8_e4m3_sparse_vs_dense_float8']:.2f}x |")
     for r in fb:
         if r.get("clocks"):
             print(f"\nclocks while each fw+bw runs back to back ({r['shape']}, T={r['T']}; nvidia-smi medians)")

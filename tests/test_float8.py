@@ -320,7 +320,7 @@ def test_srelu24_op_with_float8_passes_opcheck_and_compiles_in_one_graph(monkeyp
     x = torch.randn(100, 64, generator=g).bfloat16().requires_grad_()
     w1 = (torch.randn(128, 64, generator=g) / 8).bfloat16().requires_grad_()
     w2 = (torch.randn(64, 128, generator=g) / 11).bfloat16().requires_grad_()
-    torch.library.opcheck(K.srelu24_ffn_fwd, (x, w1, w2, False, 0.05, False, True, "rowwise"))
+    torch.library.opcheck(K.srelu24_ffn_fwd, (x, w1, w2, False, 0.05, False, True, "rowwise", True))
 
     def ffn(xx, a, b):
         return K.srelu24_ffn_kernels(xx, a, b, SReLU24Recipe(False, 0.05, True), None, "tensorwise")

@@ -1,0 +1,221 @@
+"""srelu24's 2:4 sparse GEMMs in e4m3 (trainer.float8 set): cuSPARSELt's e4m3 x e4m3 2:4 GEMM with
+bf16 output, 1.5x faster than a dense e4m3 GEMM at the 7B FFN's shapes on the H200 (id 21 of 24;
+id 0, torch's default, is slower than dense; benchmarks/RESULTS.md).
+
+    sparse operand  the bf16 compressed buffer the sparsify kernels write, converted: each row's
+                    kept values times a power-of-2 scale that brings its amax under 448 (e4m3's
+                    largest), rounded to e4m3; the metadata permuted into the e4m3 layout
+                    (kernels/cslt_layout.py). A row is one of M: its scale factors out of the product.
+    dense operand   B [K, N] in e4m3, K-major (fp8 tensor cores read both operands along K), one
+                    power-of-2 scale per column of B (each of N).
+    product         e4m3 x e4m3 with fp32 accumulation, written as bf16 unscaled, then each
+                    element times 1 / (row scale x column scale): exact, the scales being powers
+                    of 2. cuSPARSELt's own per-row scaling (alpha vector) is "not supported" for
+                    e4m3 on sm90, so a pass over the output does it.
+
+Row scales follow torchao's rowwise recipe (e4m3 everywhere, power-of-2 scales along the
+reduction dimension). `sparse_mm_reference` computes the same product from the same e4m3 values in
+fp32; the Triton kernels match their PyTorch references bit for bit (tests/test_fp8_sparse.py).
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .cslt_layout import bf16_to_e4m3_nibble_order, check_shape_e4m3, compressed_bytes_e4m3, decompress
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-12  # an all-zero row (token padding) gets a finite scale
+
+
+def pow2_scale(amax: Tensor) -> Tensor:
+    """The largest power of 2 s with amax * s <= 448, from amax's bits (float32; exact, no log2):
+    with amax = m 2^e (1 <= m < 2), s = 2^(8 - e), or 2^(7 - e) where m > 1.75 (448 = 1.75 2^8)."""
+    bits = amax.float().clamp(min=AMAX_FLOOR).view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    e_s = 8 - e - ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return ((e_s + 127) << 23).view(torch.float32)
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """pow2_scale, in Triton."""
+    bits = tl.maximum(amax, 1e-12).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    e_s = 8 - e - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return ((e_s + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 within +-448 -> the nearest e4m3 value (ties to even), kept in fp32, so that the cast
+    after it is exact: TRITON_INTERPRET's own cast rounds wrongly (-1.98 to -1)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    big = 12582912.0  # 1.5 2^23: adding and subtracting it rounds to an integer, ties to even
+    sub = ((tl.abs(x) * 512.0 + big) - big) * 0.001953125  # subnormals: multiples of 2^-9
+    sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # x's sign, -0 too
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _rows_to_e4m3_kernel(x_ptr, out_ptr, scale_ptr, stride_x, C: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of x [M, C] (bf16): amax, its power-of-2 scale, and the row scaled and rounded to e4m3.
+    C is a constexpr (one compile per row length): TRITON_INTERPRET cannot loop to a runtime bound
+    under numpy >= 2.4."""
+    r = tl.program_id(0)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + r * stride_x + c, mask=c < C, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    s = _pow2_scale(tl.max(amax, 0))
+    tl.store(scale_ptr + r, s)
+    for c0 in range(0, C, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + r * stride_x + c, mask=c < C, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * C + c, _round_to_e4m3(v * s).to(tl.float8e4nv), mask=c < C)
+
+
+@triton.jit
+def _cols_to_e4m3_t_kernel(x_ptr, scale_ptr, out_ptr, K, N, BK: tl.constexpr, BN: tl.constexpr):
+    """x [K, N] (bf16, row-major) times its column scales, rounded to e4m3 and written transposed
+    ([N, K], row-major: K-major for the GEMM)."""
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = (k[:, None] < K) & (n[None, :] < N)
+    v = tl.load(x_ptr + k[:, None] * N + n[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr + n, mask=n < N, other=1.0)
+    q = _round_to_e4m3(v * s[None, :]).to(tl.float8e4nv)
+    tl.store(out_ptr + n[None, :] * K + k[:, None], q, mask=m)
+
+
+@triton.jit
+def _metadata_kernel(meta_ptr, perm_ptr, out_ptr):
+    """One 512-byte block of e4m3 metadata from the 256 16-bit words of the two bf16 tiles it covers."""
+    blk = tl.program_id(0)
+    j = tl.arange(0, 512)
+    s0, s1 = tl.load(perm_ptr + 2 * j), tl.load(perm_ptr + 2 * j + 1)
+    w0 = tl.load(meta_ptr + blk * 256 + s0 // 4).to(tl.int32) & 0xFFFF
+    w1 = tl.load(meta_ptr + blk * 256 + s1 // 4).to(tl.int32) & 0xFFFF
+    n0, n1 = (w0 >> ((s0 % 4) * 4)) & 0xF, (w1 >> ((s1 % 4) * 4)) & 0xF
+    tl.store(out_ptr + blk * 512 + j, (n0 | (n1 << 4)).to(tl.uint8))
+
+
+def rows_to_e4m3_reference(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(x [M, C] scaled per row and cast to e4m3, the row scales [M] float32)."""
+    s = pow2_scale(x.float().abs().amax(1))
+    return (x.float() * s[:, None]).to(E4M3), s
+
+
+def rows_to_e4m3(x: Tensor, out: Tensor = None) -> tuple[Tensor, Tensor]:
+    """rows_to_e4m3_reference in one Triton pass over x's rows (each read twice, the second from cache).
+    out: where to write the e4m3 rows (a contiguous [M, C] view), else a new tensor."""
+    m, c = x.shape
+    out = torch.empty(m, c, dtype=E4M3, device=x.device) if out is None else out
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _rows_to_e4m3_kernel[(m,)](x, out, scale, x.stride(0), C=c, BLOCK=1024, num_warps=4)
+    return out, scale
+
+
+def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
+    """A bf16 compressed 2:4 buffer of an [m, k] matrix (kernels/cslt_layout.py) as an e4m3 one
+    (float8_e4m3fn [m, 5k/8]) and its row scales [m]: the e4m3 matrix is the bf16 one times its scales."""
+    check_shape_e4m3(m, k)
+    flat = buf.reshape(-1)
+    out = torch.empty(compressed_bytes_e4m3(m, k), dtype=torch.uint8, device=buf.device)
+    _, scale = rows_to_e4m3(flat[: m * k // 2].view(m, k // 2), out[: m * k // 2].view(E4M3).view(m, k // 2))
+    meta = flat[m * k // 2:].view(torch.int16)
+    _metadata_kernel[(m * k // 4096,)](meta, bf16_to_e4m3_nibble_order(buf.device), out[m * k // 2:], num_warps=4)
+    return out.view(E4M3).view(m, -1), scale
+
+
+def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
+    """B [K, N] (bf16) as e4m3 with a power-of-2 scale per column: (its [K, N] view of a K-major
+    [N, K] tensor, the scales [N])."""
+    if b.t().is_contiguous():  # the transpose of a row-major [N, K]: its rows are B's columns
+        q, s = rows_to_e4m3(b.t())
+        return q.t(), s
+    b = b.contiguous()
+    k, n = b.shape
+    s = pow2_scale(torch.linalg.vector_norm(b, float("inf"), dim=0))
+    q = torch.empty(n, k, dtype=E4M3, device=b.device)
+    _cols_to_e4m3_t_kernel[(triton.cdiv(k, 64), triton.cdiv(n, 64))](b, s, q, k, n, BK=64, BN=64, num_warps=4)
+    return q.t(), s
+
+
+def kmajor_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:
+    q, s = rows_to_e4m3_reference(b.t())
+    return q.t(), s
+
+
+@triton.jit
+def _unscale_kernel(y_ptr, r_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """y [M, N] (bf16, in place) times r[i] * c[j]: powers of 2, so exact."""
+    i = tl.program_id(0) * BM + tl.arange(0, BM)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = (i[:, None] < M) & (j[None, :] < N)
+    ptr = y_ptr + i[:, None] * N + j[None, :]
+    y = tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+    r, c = tl.load(r_ptr + i, mask=i < M, other=1.0), tl.load(c_ptr + j, mask=j < N, other=1.0)
+    tl.store(ptr, (y * r[:, None] * c[None, :]).to(tl.bfloat16), mask=m)
+
+
+def unscale_(y: Tensor, row: Tensor, col: Tensor) -> Tensor:
+    """y [M, N] (contiguous bf16) *= row[:, None] * col[None, :], in place, in one pass."""
+    m, n = y.shape
+    _unscale_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](y, row, col, m, n, BM=32, BN=128, num_warps=4)
+    return y
+
+
+def usable(buf: Tensor, b: Tensor) -> bool:
+    """sparse_mm runs these operands: a bf16 compressed A on an sm90 GPU, its rows and the
+    reduction dimension (B's rows) multiples of 64 (the e4m3 layout's tile)."""
+    return (buf.is_cuda and buf.dtype == b.dtype == torch.bfloat16 and torch.cuda.get_device_capability(buf.device)[0] == 9
+            and buf.shape[0] % 64 == 0 and b.shape[0] % 64 == 0 and buf.numel() * 16 == buf.shape[0] * b.shape[0] * 9)
+
+
+_ALG: dict = {}
+
+
+def _algorithm(a8: Tensor, b8: Tensor, transpose_result: bool) -> int:
+    """torch's search's id for this shape, kept only if its product equals id 0's (an upstream
+    issue reports wrong results for some ids); cached per shape and layout."""
+    key = (tuple(a8.shape), tuple(b8.shape), b8.stride(), transpose_result)
+    if key not in _ALG:
+        _ALG[key] = 0
+        try:
+            alg = torch._C._cusparselt.mm_search(a8, b8, None, None, torch.bfloat16, transpose_result)[0]
+            mm = torch._cslt_sparse_mm
+            ref = mm(a8, b8, out_dtype=torch.bfloat16, transpose_result=transpose_result).float()
+            got = mm(a8, b8, out_dtype=torch.bfloat16, transpose_result=transpose_result, alg_id=alg).float()
+            if ((got - ref).norm() <= 1e-3 * ref.norm()).item():
+                _ALG[key] = alg
+        except (AttributeError, RuntimeError, TypeError):
+            pass
+    return _ALG[key]
+
+
+def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
+    """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
+    in bf16; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm."""
+    m, k = buf.shape[0], b.shape[0]
+    a8, sa = compressed_to_e4m3(buf, m, k)
+    b8, sb = kmajor_e4m3(b)
+    y = torch._cslt_sparse_mm(a8, b8, out_dtype=torch.bfloat16, transpose_result=transpose_result,
+                              alg_id=_algorithm(a8, b8, transpose_result))
+    y = y.contiguous()
+    ra, rb = sa.reciprocal(), sb.reciprocal()
+    return unscale_(y, rb, ra) if transpose_result else unscale_(y, ra, rb)
+
+
+def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
+    """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied."""
+    m, k = buf.shape[0], b.shape[0]
+    a = decompress(buf, m, k)
+    a8, sa = rows_to_e4m3_reference(a)
+    b8, sb = kmajor_e4m3_reference(b)
+    y = (a8.float() / sa[:, None]) @ (b8.float() / sb[None, :])
+    return (y.t() if transpose_result else y).to(torch.bfloat16)

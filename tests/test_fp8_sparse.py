@@ -1,0 +1,127 @@
+"""srelu24's e4m3 2:4 GEMMs (kernels/fp8_sparse.py): the Triton conversion kernels against their
+PyTorch references bit for bit (CPU: TRITON_INTERPRET), the power-of-2 scales, and on a GPU the
+e4m3 product against its fp32 reference and the FFN's gradients against bf16."""
+import pytest
+import torch
+
+from kernels import fp8_sparse
+from kernels.cslt_layout import compress, compress_e4m3, decompress_e4m3
+from kernels.srelu24_reference import mask_2to4
+
+E4M3 = torch.float8_e4m3fn
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sparse_bf16(m: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a 2:4 bf16 [m, k] with rows of very different magnitudes, its mask)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
+    a[0] = 0.0  # an all-zero row (token padding)
+    a[1, :8] = torch.tensor([448.0, -449.0, 1e-4, 0.0, 3e-3, -0.0155, 0.0157, 2.0])  # saturation, subnormals
+    a = a.bfloat16()
+    keep = mask_2to4(a.float())
+    return a * keep, keep
+
+
+@pytest.mark.parametrize("amax", [448.0, 449.0, 1.0, 1.75, 1.7500001, 3e-3, 0.0, 1e30])
+def test_pow2_scale_is_the_largest_power_of_2_that_fits(amax):
+    s = fp8_sparse.pow2_scale(torch.tensor([amax])).item()
+    a = max(amax, fp8_sparse.AMAX_FLOOR)
+    assert s == 2.0 ** round(torch.log2(torch.tensor(s)).item())  # a power of 2
+    assert a * s <= 448.0 < a * s * 2
+
+
+def test_rows_to_e4m3_matches_its_reference_bit_for_bit():
+    a, _ = sparse_bf16(64, 320, 0)
+    got, s = fp8_sparse.rows_to_e4m3(a.to(DEV))
+    want, s_ref = fp8_sparse.rows_to_e4m3_reference(a)
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+def test_rounding_to_e4m3_ties_go_to_even():
+    # values halfway between e4m3 neighbours (normal and subnormal), times scale 1 (row amax 448)
+    x = torch.tensor([[448.0, 1.0625, 1.1875, -1.0625, 0.0029296875, 0.0048828125, 0.015380859375, 240.0]])
+    got, s = fp8_sparse.rows_to_e4m3(x.bfloat16().to(DEV))
+    assert s.item() == 1.0
+    assert torch.equal(got.cpu().view(torch.uint8), x.to(E4M3).view(torch.uint8))
+
+
+def test_compressed_to_e4m3_is_the_e4m3_compression_of_the_scaled_matrix():
+    m, k = 128, 192
+    a, keep = sparse_bf16(m, k, 1)
+    buf8, s = fp8_sparse.compressed_to_e4m3(compress(a, keep).to(DEV), m, k)
+    a8, s_ref = fp8_sparse.rows_to_e4m3_reference(a)
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(buf8.cpu().view(torch.uint8), compress_e4m3(a8, keep))
+    assert torch.equal(decompress_e4m3(buf8.cpu(), m, k).float(), a8.float())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kmajor_e4m3_matches_its_reference(transposed):
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(96, 128, generator=g) * torch.logspace(-2, 2, 128)).bfloat16()
+    b = w.t() if transposed else w.t().contiguous().t().contiguous()  # [K, N]: the transpose of a row-major, or row-major
+    b = b.to(DEV)
+    q, s = fp8_sparse.kmajor_e4m3(b)
+    q_ref, s_ref = fp8_sparse.kmajor_e4m3_reference(b.cpu())
+    assert q.shape == b.shape and q.t().is_contiguous()  # K-major
+    assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_unscale_multiplies_rows_and_columns_in_place():
+    y = torch.randn(40, 200).bfloat16().to(DEV)
+    r, c = 2.0 ** torch.randint(-8, 8, (40,)).float(), 2.0 ** torch.randint(-8, 8, (200,)).float()
+    want = (y.cpu().float() * r[:, None] * c[None, :]).bfloat16()
+    got = fp8_sparse.unscale_(y, r.to(DEV), c.to(DEV))
+    assert got.data_ptr() == y.data_ptr() and torch.equal(got.cpu(), want)
+
+
+def test_the_reference_product_is_close_to_bf16():
+    m, k, n = 64, 128, 64
+    a, keep = sparse_bf16(m, k, 3)
+    b = torch.randn(k, n).bfloat16()
+    got = fp8_sparse.sparse_mm_reference(compress(a, keep), b).float()
+    want = a.float() @ b.float()
+    assert ((got - want).norm() / want.norm()).item() < 0.05  # e4m3's 3 mantissa bits on both operands
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_result", [False, True])
+@pytest.mark.parametrize("b_layout", ["transposed", "row-major"])
+def test_sparse_mm_on_cuda_matches_its_reference(transpose_result, b_layout):
+    m, k, n = 256, 512, 192
+    a, keep = sparse_bf16(m, k, 4)
+    buf = compress(a, keep).cuda()
+    w = torch.randn(n, k).bfloat16().cuda()
+    b = w.t() if b_layout == "transposed" else w.t().contiguous()
+    assert fp8_sparse.usable(buf, b)
+    got = fp8_sparse.sparse_mm(buf, b, transpose_result).float()
+    want = fp8_sparse.sparse_mm_reference(buf, b, transpose_result).float()
+    assert got.shape == want.shape
+    assert ((got - want).norm() / want.norm()).item() < 1e-2  # the same e4m3 values; bf16 output
+
+
+@pytest.mark.gpu
+def test_srelu24_ffn_gradients_in_e4m3_follow_bf16():
+    from kernels.srelu24_ffn import srelu24_ffn_kernels
+    from kernels.srelu24_reference import SReLU24Recipe
+
+    torch.manual_seed(0)
+    T, d, F_ = 512, 256, 1024
+    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(F_, d, device="cuda") * d ** -0.5).bfloat16().requires_grad_()
+    w2 = (torch.randn(d, F_, device="cuda") * F_ ** -0.5).bfloat16().requires_grad_()
+    dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for name, f8, sparse8 in (("bf16", "none", False), ("dense float8", "rowwise", False), ("e4m3", "rowwise", True)):
+        for t in (x, w1, w2):
+            t.grad = None
+        y = srelu24_ffn_kernels(x, w1, w2, SReLU24Recipe(), float8=f8, sparse_float8=sparse8)
+        y.backward(dy)
+        out[name] = [t.float() for t in (y, x.grad, w1.grad, w2.grad)]
+    for i, what in enumerate(("Y", "dX", "dW1", "dW2")):
+        ref, dense8, e4m3 = out["bf16"][i], out["dense float8"][i], out["e4m3"][i]
+        err = ((e4m3 - ref).norm() / ref.norm()).item()
+        assert err < 0.1, f"{what}: {err:.3f} from bf16"
+        assert not torch.equal(e4m3, dense8), f"{what}: the 2:4 GEMMs did not change"
