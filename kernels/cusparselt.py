@@ -11,11 +11,13 @@ The descriptors are the ones `torch._cslt_sparse_mm` sets up (aten/src/ATen/nati
 cuSPARSELtOps.cpp), so the compressed operand is the same buffer: A [m, k] 2:4 row-major
 (compressed, as kernels/srelu24_sparsify*.py write it), B [k, n] row-major or the transpose of a
 row-major [n, k], D [m, n] row-major bf16 (or column-major: torch's `transpose_result`, the product
-returned as its transpose [n, m], which is how the weight gradient dW2 is wanted), fp32 accumulation. The library is the one torch
+returned as its transpose [n, m], which is how the weight gradient dW2 is wanted), fp32 accumulation.
+A and B in bf16, or both in e4m3 (B then K-major, the transpose of a row-major [n, k]; D still bf16:
+kernels/fp8_sparse.py). The library is the one torch
 loaded. Each new plan's product is checked once against torch's; any failure (library not
 found, an error status, a different product) falls back to torch._cslt_sparse_mm with a
 warning, so this can only make the GEMM cheaper to launch, never wrong. Inputs it was not built
-for (not bf16, misaligned, another device than the current one) go to torch's op as well.
+for (other dtypes, misaligned, another device than the current one) go to torch's op as well.
 
 The first call of a shape synchronises (the check); under CUDA graph capture, warm every shape
 up first. The workspace comes from the caching allocator on each call, so calls on several
@@ -32,7 +34,7 @@ import torch
 from torch import Tensor
 
 # enum values of cusparseLt.h (0.5+) and library_types.h / cusparse.h
-_CUDA_R_16BF, _ORDER_COL, _ORDER_ROW, _OP_N, _OP_T = 14, 1, 2, 0, 1
+_CUDA_R_16BF, _CUDA_R_8F_E4M3, _ORDER_COL, _ORDER_ROW, _OP_N, _OP_T = 14, 28, 1, 2, 0, 1
 _SPARSITY_50, _COMPUTE_32F, _ALG_DEFAULT, _ALG_CONFIG_ID = 0, 2, 0, 0
 _MIN_VERSION = 502  # major * 1000 + minor * 100 + patch
 _OPAQUE_BYTES = 16384  # the opaque structs are 1 KiB or less in 0.5-0.8; room to spare, 64-byte aligned
@@ -100,15 +102,15 @@ class _Plan:
     """Descriptors and plan of one GEMM shape; `run` enqueues it."""
 
     def __init__(self, lib: _Lib, m: int, k: int, n: int, b_transposed: bool, alg: int, device,
-                 transpose_result: bool = False):
+                 transpose_result: bool = False, e4m3: bool = False):
         self.lib, self.m, self.n, self.transpose_result = lib, m, n, transpose_result
         h = lib.handle.ptr
         self.a, self.b, self.d = _Opaque(), _Opaque(), _Opaque()
         self.mm, self.sel, self.plan = _Opaque(), _Opaque(), _Opaque()
-        lib.check("cusparseLtStructuredDescriptorInit", h, self.a.ptr, m, k, k, 16, _CUDA_R_16BF, _ORDER_ROW,
-                  _SPARSITY_50)
+        ab = _CUDA_R_8F_E4M3 if e4m3 else _CUDA_R_16BF
+        lib.check("cusparseLtStructuredDescriptorInit", h, self.a.ptr, m, k, k, 16, ab, _ORDER_ROW, _SPARSITY_50)
         rows, cols = (n, k) if b_transposed else (k, n)
-        lib.check("cusparseLtDenseDescriptorInit", h, self.b.ptr, rows, cols, cols, 16, _CUDA_R_16BF, _ORDER_ROW)
+        lib.check("cusparseLtDenseDescriptorInit", h, self.b.ptr, rows, cols, cols, 16, ab, _ORDER_ROW)
         lib.check("cusparseLtDenseDescriptorInit", h, self.d.ptr, m, n, m if transpose_result else n, 16, _CUDA_R_16BF,
                   _ORDER_COL if transpose_result else _ORDER_ROW)
         lib.check("cusparseLtMatmulDescriptorInit", h, self.mm.ptr, _OP_N, _OP_T if b_transposed else _OP_N,
@@ -142,7 +144,7 @@ class _Plan:
 
 
 _LIB: dict = {}     # device index -> _Lib, or None where it could not be loaded
-_PLANS: dict = {}   # (device index, m, k, n, b_transposed, alg, transpose_result) -> _Plan, or None: torch's op
+_PLANS: dict = {}   # (device index, m, k, n, b_transposed, alg, transpose_result, e4m3) -> _Plan, or None: torch's op
 _LOCK = threading.Lock()  # forward (main thread) and backward (autograd's thread) both build plans
 
 
@@ -168,22 +170,25 @@ def _library(device) -> Optional[_Lib]:
 
 
 def torch_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) -> Tensor:
-    """torch._cslt_sparse_mm with algorithm `alg` (0: the default) and torch's transpose_result."""
+    """torch._cslt_sparse_mm with algorithm `alg` (0: the default) and torch's transpose_result;
+    e4m3 operands give bf16."""
     kw = {"alg_id": alg} if alg else {}
     if transpose_result:
         kw["transpose_result"] = True
+    if a.dtype == torch.float8_e4m3fn:
+        kw["out_dtype"] = torch.bfloat16
     return torch._cslt_sparse_mm(a, b, **kw)
 
 
 def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
     """A plan for this GEMM, kept only if its product equals torch's bit for bit."""
-    idx, m, k, n, b_transposed, alg, transpose_result = key
+    idx, m, k, n, b_transposed, alg, transpose_result, e4m3 = key
     lib = _library(a.device)
     if lib is None:
         return None
     plan = None
     try:
-        plan = _Plan(lib, m, k, n, b_transposed, alg, a.device, transpose_result)
+        plan = _Plan(lib, m, k, n, b_transposed, alg, a.device, transpose_result, e4m3)
         want, got = torch_mm(a, b, alg, transpose_result), plan.run(a, b)
         if got.shape == want.shape and torch.equal(got, want):
             return plan
@@ -200,17 +205,20 @@ def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
 def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) -> Tensor:
     """torch._cslt_sparse_mm(a, b, alg_id=alg, transpose_result=...) for a bf16 compressed A
     [m, 9k/16] on CUDA and a bf16 B [k, n] (row-major, or the transpose of a row-major matrix),
-    with the plan built once. transpose_result: the product comes back as (A B)^T, [n, m]."""
+    or an e4m3 A [m, 5k/8] and an e4m3 K-major B (bf16 out), with the plan built once.
+    transpose_result: the product comes back as (A B)^T, [n, m]."""
     b_transposed = not b.is_contiguous()
     if b_transposed and not b.t().is_contiguous():
         b = b.contiguous()
         b_transposed = False
     m, (k, n) = a.shape[0], b.shape
     idx = a.get_device()
-    if (a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or not a.is_contiguous() or a.numel() * 16 != m * k * 9
+    e4m3 = a.dtype == b.dtype == torch.float8_e4m3fn and b_transposed
+    size_ok = a.numel() * 8 == m * k * 5 if e4m3 else a.numel() * 16 == m * k * 9
+    if (not (e4m3 or a.dtype == b.dtype == torch.bfloat16) or not a.is_contiguous() or not size_ok
             or a.data_ptr() % 16 or b.data_ptr() % 16 or b.get_device() != idx or idx != torch.cuda.current_device()):
         return torch_mm(a, b, alg, transpose_result)  # not what the plans are built for: torch's op checks
-    key = (idx, m, k, n, b_transposed, alg, transpose_result)
+    key = (idx, m, k, n, b_transposed, alg, transpose_result, e4m3)
     plan = _PLANS.get(key, False)
     if plan is False:
         with _LOCK:

@@ -123,6 +123,33 @@ def pieces(t: int, d: int, f: int) -> dict:
     return out
 
 
+def profile_ffn(t: int, d: int, f: int, recipe: str, sparse_float8: bool, iters: int = 5) -> list:
+    """The srelu24 module (float8 `recipe`, its 2:4 GEMMs in e4m3 or bf16) fw+bw under torch.profiler:
+    [(kernel, ms per fw+bw, calls per fw+bw)], the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from model.ffn import SReLU24
+    from training.config import Float8
+    from training.float8 import convert
+    from kernels.srelu24_reference import SReLU24Recipe
+
+    m = SReLU24(d, f, SReLU24Recipe(token_permutation=False), sparse_float8=sparse_float8).cuda().to(torch.bfloat16)
+    m.set_2to4(True)
+    convert(torch.nn.ModuleDict({"ffn": m}), Float8(recipe), fsdp=False)
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        m(x).backward(gy)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            m(x).backward(gy)
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3 / iters, e.count // iters) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
@@ -130,6 +157,8 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=16512)
     ap.add_argument("--max-ids", type=int, default=24)
     ap.add_argument("--pieces", action="store_true", help="also time kernels/fp8_sparse.py's passes")
+    ap.add_argument("--profile", default="", metavar="RECIPE",
+                    help="also profile the srelu24 FFN fw+bw in float8 RECIPE, 2:4 GEMMs in e4m3 and in bf16")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -148,6 +177,14 @@ def main() -> int:
         for t in args.tokens:
             for name, ms in pieces(t, args.d, args.hidden).items():
                 print(f"| {name} | {ms:.3f} ms |")
+    if args.profile:
+        for sparse8 in (True, False):
+            rows_p = profile_ffn(args.tokens[0], args.d, args.hidden, args.profile, sparse8)
+            total = sum(r[1] for r in rows_p)
+            print(f"\nsrelu24 fw+bw, float8 {args.profile}, 2:4 GEMMs in {'e4m3' if sparse8 else 'bf16'}, "
+                  f"T={args.tokens[0]}: {total:.3f} ms of kernels")
+            for name, ms, n in rows_p[:18]:
+                print(f"|k| {ms:.3f} | {n} | {name[:110]} |")
     cols = ["bf16 dense", "bf16 2:4", "e4m3 dense fast", "e4m3 dense", "e4m3 2:4 best"]
     print(f"\ncuSPARSELt {version}: ms (TFLOP/s)")
     print("| M x K x N | " + " | ".join(cols) + " | e4m3 2:4 id (search) | e4m3 2:4 / dense fast |")

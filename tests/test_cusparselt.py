@@ -38,7 +38,8 @@ class _FakePlan:
     """Stands in for a cuSPARSELt plan on CPU: its product is a chosen function of A and B."""
     destroyed = []
 
-    def __init__(self, lib, m, k, n, b_transposed, alg, device, transpose_result=False, product=None, fail=False):
+    def __init__(self, lib, m, k, n, b_transposed, alg, device, transpose_result=False, e4m3=False, product=None,
+                 fail=False):
         if fail:
             raise ValueError("plan init failed")
         self.product = product
@@ -62,7 +63,7 @@ def test_a_plan_is_kept_only_if_its_product_equals_torchs(monkeypatch, fresh_cac
                "raises": None, "wrong orientation": lambda a, b: torch_product.t().contiguous()}[case]
     monkeypatch.setattr(C, "_Plan", lambda *args: _FakePlan(*args, product=product, fail=case == "raises"))
     _FakePlan.destroyed.clear()
-    key = (0, 64, 64, 32, False, 0, False)
+    key = (0, 64, 64, 32, False, 0, False, False)
     if case == "equal":
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -108,6 +109,32 @@ def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed
     assert sum(p is not None for p in C._PLANS.values()) == 1
     want = C.torch_mm(a2, b2, alg, transpose_result)
     assert again.shape == ((n, m) if transpose_result else (m, n)) and torch.equal(again, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(256, 512, 192), (8192, 2048, 512)])
+@pytest.mark.parametrize("transpose_result", [False, True])
+def test_cached_e4m3_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, transpose_result):
+    """e4m3 A and K-major B, bf16 out (kernels/fp8_sparse.py's GEMMs), at the searched id."""
+    from kernels import fp8_sparse
+    from kernels.srelu24_sparsify import srelu_sparsify_2to4
+
+    def operands():
+        buf, _ = srelu_sparsify_2to4(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        a8, _ = fp8_sparse.compressed_to_e4m3(buf, m, k)
+        b8, _ = fp8_sparse.kmajor_e4m3(torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t())
+        return a8, b8
+
+    a, b = operands()
+    alg = torch._C._cusparselt.mm_search(a, b, None, None, torch.bfloat16, transpose_result)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.cached_mm(a, b, alg, transpose_result)
+        a2, b2 = operands()
+        again = C.cached_mm(a2, b2, alg, transpose_result)
+    assert sum(p is not None for p in C._PLANS.values()) == 1
+    want = C.torch_mm(a2, b2, alg, transpose_result)
+    assert again.dtype == torch.bfloat16 and torch.equal(again, want)
 
 
 @pytest.mark.gpu

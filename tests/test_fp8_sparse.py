@@ -102,26 +102,37 @@ def test_sparse_mm_on_cuda_matches_its_reference(transpose_result, b_layout):
     assert ((got - want).norm() / want.norm()).item() < 1e-2  # the same e4m3 values; bf16 output
 
 
-@pytest.mark.gpu
-def test_srelu24_ffn_gradients_in_e4m3_follow_bf16():
+def _ffn_outputs(x, w1, w2, dy, float8: str, sparse_float8: bool) -> list:
     from kernels.srelu24_ffn import srelu24_ffn_kernels
     from kernels.srelu24_reference import SReLU24Recipe
 
+    for t in (x, w1, w2):
+        t.grad = None
+    y = srelu24_ffn_kernels(x, w1, w2, SReLU24Recipe(), float8=float8, sparse_float8=sparse_float8)
+    y.backward(dy)
+    return [t.float() for t in (y, x.grad, w1.grad, w2.grad)]
+
+
+@pytest.mark.gpu
+def test_srelu24_ffn_in_e4m3_is_its_reference_and_near_bf16(monkeypatch):
     torch.manual_seed(0)
     T, d, F_ = 512, 256, 1024
     x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w1 = (torch.randn(F_, d, device="cuda") * d ** -0.5).bfloat16().requires_grad_()
     w2 = (torch.randn(d, F_, device="cuda") * F_ ** -0.5).bfloat16().requires_grad_()
     dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
-    out = {}
-    for name, f8, sparse8 in (("bf16", "none", False), ("dense float8", "rowwise", False), ("e4m3", "rowwise", True)):
-        for t in (x, w1, w2):
-            t.grad = None
-        y = srelu24_ffn_kernels(x, w1, w2, SReLU24Recipe(), float8=f8, sparse_float8=sparse8)
-        y.backward(dy)
-        out[name] = [t.float() for t in (y, x.grad, w1.grad, w2.grad)]
-    for i, what in enumerate(("Y", "dX", "dW1", "dW2")):
-        ref, dense8, e4m3 = out["bf16"][i], out["dense float8"][i], out["e4m3"][i]
-        err = ((e4m3 - ref).norm() / ref.norm()).item()
-        assert err < 0.1, f"{what}: {err:.3f} from bf16"
-        assert not torch.equal(e4m3, dense8), f"{what}: the 2:4 GEMMs did not change"
+    bf16 = _ffn_outputs(x, w1, w2, dy, "none", False)
+    dense8 = _ffn_outputs(x, w1, w2, dy, "rowwise", False)  # the 2:4 GEMMs in bf16
+    e4m3 = _ffn_outputs(x, w1, w2, dy, "rowwise", True)
+    monkeypatch.setattr(fp8_sparse, "sparse_mm", fp8_sparse.sparse_mm_reference)
+    reference = _ffn_outputs(x, w1, w2, dy, "rowwise", True)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    for what, got, ref, b16, d8 in zip(("Y", "dX", "dW1", "dW2"), e4m3, reference, bf16, dense8):
+        assert rel(got, ref) < 1e-2, f"{what}: {rel(got, ref):.4f} from the fp32 product of the same e4m3 values"
+        assert not torch.equal(got, d8), f"{what}: the 2:4 GEMMs did not change"
+        # float8's dense GEMMs already flip 2:4 choices (6-17% from bf16 at this size, as on the CPU);
+        # e4m3 in the 2:4 GEMMs may add a little, not double it
+        assert rel(got, b16) < 1.25 * rel(d8, b16) + 0.02, f"{what}: {rel(got, b16):.3f} against {rel(d8, b16):.3f}"
