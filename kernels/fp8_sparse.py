@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .cslt_layout import bf16_to_e4m3_nibble_order, check_shape_e4m3, compressed_bytes_e4m3, decompress
 from .cusparselt import cached_mm
+from .fp8_cast import round_to_float8, scaled_cast
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -49,18 +50,6 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _round_to_e4m3(x):
-    """fp32 within +-448 -> the nearest e4m3 value (ties to even), kept in fp32, so that the cast
-    after it is exact: TRITON_INTERPRET's own cast rounds wrongly (-1.98 to -1)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    big = 12582912.0  # 1.5 2^23: adding and subtracting it rounds to an integer, ties to even
-    sub = ((tl.abs(x) * 512.0 + big) - big) * 0.001953125  # subnormals: multiples of 2^-9
-    sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # x's sign, -0 too
-    return tl.where(tl.abs(x) < 0.015625, sub, normal)
-
-
-@triton.jit
 def _rows_to_e4m3_kernel(x_ptr, out_ptr, scale_ptr, stride_x, C: tl.constexpr, BLOCK: tl.constexpr):
     """Row r of x [M, C] (bf16): amax, its power-of-2 scale, and the row scaled and rounded to e4m3.
     C is a constexpr (one compile per row length): TRITON_INTERPRET cannot loop to a runtime bound
@@ -76,20 +65,7 @@ def _rows_to_e4m3_kernel(x_ptr, out_ptr, scale_ptr, stride_x, C: tl.constexpr, B
     for c0 in range(0, C, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + r * stride_x + c, mask=c < C, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * C + c, _round_to_e4m3(v * s).to(tl.float8e4nv), mask=c < C)
-
-
-@triton.jit
-def _cols_to_e4m3_t_kernel(x_ptr, scale_ptr, out_ptr, K, N, BK: tl.constexpr, BN: tl.constexpr):
-    """x [K, N] (bf16, row-major) times its column scales, rounded to e4m3 and written transposed
-    ([N, K], row-major: K-major for the GEMM). The tile is transposed in registers (tl.trans) so that
-    both the loads (along N) and the stores (along K) are contiguous."""
-    k = tl.program_id(0) * BK + tl.arange(0, BK)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    v = tl.load(x_ptr + k[:, None] * N + n[None, :], mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
-    s = tl.load(scale_ptr + n, mask=n < N, other=1.0)
-    q = tl.trans(_round_to_e4m3(v.to(tl.float32) * s[None, :]))  # [BN, BK]
-    tl.store(out_ptr + n[:, None] * K + k[None, :], q.to(tl.float8e4nv), mask=(n[:, None] < N) & (k[None, :] < K))
+        tl.store(out_ptr + r * C + c, round_to_float8(v * s, False).to(tl.float8e4nv), mask=c < C)
 
 
 @triton.jit
@@ -139,12 +115,8 @@ def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
     if b.t().is_contiguous():  # the transpose of a row-major [N, K]: its rows are B's columns
         q, s = rows_to_e4m3(b.t())
         return q.t(), s
-    b = b.contiguous()
-    k, n = b.shape
     s = pow2_scale(torch.linalg.vector_norm(b, float("inf"), dim=0))
-    q = torch.empty(n, k, dtype=E4M3, device=b.device)
-    _cols_to_e4m3_t_kernel[(triton.cdiv(k, 64), triton.cdiv(n, 64))](b, s, q, k, n, BK=64, BN=64, num_warps=4)
-    return q.t(), s
+    return scaled_cast(b, s[None, :], E4M3, transpose=True).t(), s
 
 
 def kmajor_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:

@@ -108,7 +108,10 @@ def _ffn_outputs(x, w1, w2, dy, float8: str, sparse_float8: bool) -> list:
 
     for t in (x, w1, w2):
         t.grad = None
-    y = srelu24_ffn_kernels(x, w1, w2, SReLU24Recipe(), float8=float8, sparse_float8=sparse_float8)
+    # no token permutation (the model's FFN gets its tokens permuted by the block): the runs compare
+    # the same 2:4 choices along tokens, not another random order's
+    y = srelu24_ffn_kernels(x, w1, w2, SReLU24Recipe(token_permutation=False), float8=float8,
+                            sparse_float8=sparse_float8)
     y.backward(dy)
     return [t.float() for t in (y, x.grad, w1.grad, w2.grad)]
 

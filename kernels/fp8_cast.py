@@ -1,0 +1,84 @@
+"""Scaled casts to float8 in one Triton pass, for srelu24's own float8 GEMMs (kernels/fp8_gemm.py,
+kernels/fp8_sparse.py): the srelu24 custom op runs outside torch.compile's graph, where PyTorch
+would spend six passes on `(t.float() * scale).clamp(-max, max).to(dtype)` (profiled on the H200:
+~2 ms per 7B layer and step at T=8192, more than the float8 GEMMs it feeds).
+
+`scaled_cast(t, scale, dtype, transpose)` equals that expression bit for bit (tests/test_fp8_cast.py),
+for one scale, one per row or one per column; `transpose` writes the result transposed (K-major
+operands). The rounding to e4m3/e5m2 is done on the bits (ties to even), so that TRITON_INTERPRET,
+whose own float8 cast rounds wrongly, gives the GPU's bytes.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@triton.jit
+def round_to_float8(x, E5M2: tl.constexpr):
+    """fp32 within the format's range -> the nearest e4m3 (e5m2) value, ties to even, kept in fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    big = 12582912.0  # 1.5 2^23: adding and subtracting it rounds to an integer, ties to even
+    if E5M2:  # 2 mantissa bits; subnormals below 2^-14 are multiples of 2^-16
+        normal = ((bits + 0xFFFFF + ((bits >> 21) & 1)) & 0xFFE00000).to(tl.float32, bitcast=True)
+        sub = ((tl.abs(x) * 65536.0 + big) - big) * 0.0000152587890625
+        tiny = 0.00006103515625
+    else:  # e4m3: 3 mantissa bits; subnormals below 2^-6 are multiples of 2^-9
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        sub = ((tl.abs(x) * 512.0 + big) - big) * 0.001953125
+        tiny = 0.015625
+    sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # x's sign, -0 too
+    return tl.where(tl.abs(x) < tiny, sub, normal)
+
+
+@triton.jit
+def _scaled_cast_kernel(x_ptr, s_ptr, out_ptr, M, N, stride_m, stride_n, SCALE: tl.constexpr,
+                        TRANSPOSE: tl.constexpr, E5M2: tl.constexpr, FMAX: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr):
+    """out = round(clamp(x * s)) for x [M, N] (any strides); SCALE 0: one scale, 1: per row, 2: per
+    column. TRANSPOSE: out is [N, M] row-major, the tile transposed in registers (both sides contiguous)."""
+    i = tl.program_id(0) * BM + tl.arange(0, BM)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    x = tl.load(x_ptr + i[:, None] * stride_m + j[None, :] * stride_n, mask=(i[:, None] < M) & (j[None, :] < N),
+                other=0.0).to(tl.float32)
+    if SCALE == 0:
+        y = x * tl.load(s_ptr)
+    elif SCALE == 1:
+        y = x * tl.load(s_ptr + i, mask=i < M, other=1.0)[:, None]
+    else:
+        y = x * tl.load(s_ptr + j, mask=j < N, other=1.0)[None, :]
+    q = round_to_float8(tl.minimum(tl.maximum(y, -FMAX), FMAX), E5M2)
+    q = q.to(tl.float8e5) if E5M2 else q.to(tl.float8e4nv)
+    if TRANSPOSE:
+        tl.store(out_ptr + j[:, None] * M + i[None, :], tl.trans(q), mask=(j[:, None] < N) & (i[None, :] < M))
+    else:
+        tl.store(out_ptr + i[:, None] * N + j[None, :], q, mask=(i[:, None] < M) & (j[None, :] < N))
+
+
+def scaled_cast_reference(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    fmax = torch.finfo(dtype).max
+    return (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def scaled_cast(t: Tensor, scale: Tensor, dtype: torch.dtype, transpose: bool = False) -> Tensor:
+    """scaled_cast_reference(t, scale, dtype) (t 2-D, any strides; scale float32 of one element,
+    [M, 1] or [1, N]), contiguous; transpose: its transpose [N, M], contiguous."""
+    m, n = t.shape
+    if scale.numel() == 1:
+        kind = 0
+    elif scale.shape == (m, 1):
+        kind = 1
+    elif scale.shape == (1, n):
+        kind = 2
+    else:
+        raise ValueError(f"scaled_cast: scale of shape {tuple(scale.shape)} for a [{m}, {n}] tensor; "
+                         f"give one element, [{m}, 1] or [1, {n}]")
+    out = torch.empty((n, m) if transpose else (m, n), dtype=dtype, device=t.device)
+    if t.numel():
+        grid = (triton.cdiv(m, 64), triton.cdiv(n, 64))
+        _scaled_cast_kernel[grid](t, scale.float().contiguous(), out, m, n, t.stride(0), t.stride(1), SCALE=kind,
+                                  TRANSPOSE=transpose, E5M2=dtype == E5M2, FMAX=torch.finfo(dtype).max,
+                                  BM=64, BN=64, num_warps=4)
+    return out

@@ -1,0 +1,61 @@
+"""The one-pass float8 cast (kernels/fp8_cast.py) against PyTorch's scale, clamp and cast, bit for
+bit (CPU: TRITON_INTERPRET, whose own float8 cast the kernel does not rely on)."""
+import pytest
+import torch
+
+from kernels.fp8_cast import E4M3, E5M2, scaled_cast, scaled_cast_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def awkward(m: int, n: int) -> torch.Tensor:
+    """bf16 values over many magnitudes, with ties, subnormals, values past the formats' range and -0."""
+    g = torch.Generator().manual_seed(m * n)
+    t = torch.randn(m, n, generator=g) * torch.logspace(-9, 5, n)[None, :]
+    t[0, :10] = torch.tensor([1.0625, 1.1875, -1.0625, 0.0029296875, 0.015380859375, 3e-5, 1e-7, 500.0, 7e4, -0.0])
+    return t.bfloat16()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("scale_kind", ["tensor", "row", "column"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_scaled_cast_equals_torch_bit_for_bit(dtype, scale_kind, transpose):
+    m, n = 70, 130  # not tile multiples
+    t = awkward(m, n)
+    scale = {"tensor": torch.tensor(3.0), "row": torch.rand(m, 1) * 4, "column": torch.rand(1, n) * 4}[scale_kind]
+    want = scaled_cast_reference(t, scale, dtype)
+    got = scaled_cast(t.to(DEV), scale.to(DEV), dtype, transpose=transpose).cpu()
+    if transpose:
+        assert got.shape == (n, m) and got.is_contiguous()
+        got = got.t()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_scaled_cast_reads_any_strides():
+    t = awkward(96, 64)
+    want = scaled_cast_reference(t.t(), torch.tensor(0.5), E4M3)
+    got = scaled_cast(t.to(DEV).t(), torch.tensor(0.5).to(DEV), E4M3).cpu()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_scaled_cast_rejects_a_scale_of_another_shape():
+    with pytest.raises(ValueError, match=r"give one element, \[4, 1\] or \[1, 8\]"):
+        scaled_cast(torch.zeros(4, 8), torch.ones(8), E4M3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_float8_gemm_operands_on_cuda_equal_the_pytorch_path(recipe, grad):
+    """kernels/fp8_gemm's operands through the Triton cast (CUDA) against the PyTorch expression (CPU)."""
+    from kernels import fp8_gemm
+
+    a, b = awkward(256, 512), awkward(512, 192)
+    for bb in (b, b.t().contiguous().t()):  # B row-major, and the transpose of a row-major (W1^T)
+        got = fp8_gemm._operands(a.cuda(), bb.cuda(), recipe, grad)
+        want = fp8_gemm._operands(a, bb, recipe, grad)
+        assert got[2].stride(0) == 1  # B column-major, as torch._scaled_mm takes it
+        for g, w in zip(got, want):
+            g = g.cpu()
+            assert g.shape == w.shape
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)) if g.element_size() == 1 else torch.equal(g, w)
