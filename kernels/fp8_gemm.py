@@ -2,7 +2,7 @@
 its Z = X W1^T (forward) and dA = dY W2 (backward) run through torch._scaled_mm, scaled as
 torchao's float8 training recipes scale the Float8Linear modules around it
 (torchao.float8.Float8LinearConfig.from_recipe_name; tests/test_float8.py checks the casts against
-torchao's own). Its 2:4 sparse GEMMs stay bf16.
+torchao's own). Its 2:4 GEMMs are kernels/fp8_sparse.py's.
 
     recipe      forward operands   gradient operand dY   one scale per                  accumulation
     tensorwise  e4m3               e5m2                  tensor                         fast in the forward

@@ -11,8 +11,9 @@ Which linears convert (torchtitan's module filter):
 srelu24's w1 and w2 convert like the rest (its dense warmup runs them as Float8Linear). In its 2:4
 phase the custom op reads their weights directly, so this module also sets `SReLU24.float8` to the
 recipe: the op's two dense GEMMs (Z = X W1^T, dA = dY W2) then run in float8, scaled as torchao
-scales (kernels/fp8_gemm.py); its sparse GEMMs stay bf16, and so does its PyTorch reference path
-(ffn.kernels=false).
+scales (kernels/fp8_gemm.py), and its four 2:4 GEMMs in e4m3 with row-wise power-of-2 scales under
+either recipe (kernels/fp8_sparse.py; ffn.sparse_float8=false keeps them bf16). Its PyTorch
+reference path (ffn.kernels=false) stays bf16.
 
 The recipes are torchao's (Float8LinearConfig.from_recipe_name):
 - tensorwise: one scale per tensor, e4m3 forward and e5m2 gradients; with FSDP2 the converted
