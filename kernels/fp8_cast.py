@@ -18,7 +18,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 @triton.jit
 def round_to_float8(x, E5M2: tl.constexpr):
-    """fp32 within the format's range -> the nearest e4m3 (e5m2) value, ties to even, kept in fp32."""
+    """fp32 within the format's range -> the nearest e4m3 (e5m2) value, ties to even, kept in fp32.
+    NaN stays NaN (the rounding add would carry a NaN's mantissa into its sign: +-0)."""
     bits = x.to(tl.uint32, bitcast=True)
     big = 12582912.0  # 1.5 2^23: adding and subtracting it rounds to an integer, ties to even
     if E5M2:  # 2 mantissa bits; subnormals below 2^-14 are multiples of 2^-16
@@ -30,7 +31,15 @@ def round_to_float8(x, E5M2: tl.constexpr):
         sub = ((tl.abs(x) * 512.0 + big) - big) * 0.001953125
         tiny = 0.015625
     sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # x's sign, -0 too
-    return tl.where(tl.abs(x) < tiny, sub, normal)
+    return tl.where(x != x, x, tl.where(tl.abs(x) < tiny, sub, normal))
+
+
+@triton.jit
+def float8_bits(q, E5M2: tl.constexpr):
+    """The float8 bytes (uint8) of q, already rounded by round_to_float8; NaN as 0x7F (a NaN in both
+    formats), which the interpreter's cast would get wrong."""
+    b = (q.to(tl.float8e5) if E5M2 else q.to(tl.float8e4nv)).to(tl.uint8, bitcast=True)
+    return tl.where(q != q, tl.full(q.shape, 0x7F, tl.uint8), b)
 
 
 @triton.jit
@@ -49,8 +58,8 @@ def _scaled_cast_kernel(x_ptr, s_ptr, out_ptr, M, N, stride_m, stride_n, SCALE: 
         y = x * tl.load(s_ptr + i, mask=i < M, other=1.0)[:, None]
     else:
         y = x * tl.load(s_ptr + j, mask=j < N, other=1.0)[None, :]
-    q = round_to_float8(tl.minimum(tl.maximum(y, -FMAX), FMAX), E5M2)
-    q = q.to(tl.float8e5) if E5M2 else q.to(tl.float8e4nv)
+    # NaN must survive (the trainer's non-finite check sees it); Triton's min/max drop it by default
+    q = float8_bits(round_to_float8(tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), E5M2), E5M2)
     if TRANSPOSE:
         tl.store(out_ptr + j[:, None] * M + i[None, :], tl.trans(q), mask=(j[:, None] < N) & (i[None, :] < M))
     else:
@@ -78,7 +87,7 @@ def scaled_cast(t: Tensor, scale: Tensor, dtype: torch.dtype, transpose: bool = 
     out = torch.empty((n, m) if transpose else (m, n), dtype=dtype, device=t.device)
     if t.numel():
         grid = (triton.cdiv(m, 64), triton.cdiv(n, 64))
-        _scaled_cast_kernel[grid](t, scale.float().contiguous(), out, m, n, t.stride(0), t.stride(1), SCALE=kind,
+        _scaled_cast_kernel[grid](t, scale.float().contiguous(), out.view(torch.uint8), m, n, t.stride(0), t.stride(1), SCALE=kind,
                                   TRANSPOSE=transpose, E5M2=dtype == E5M2, FMAX=torch.finfo(dtype).max,
                                   BM=64, BN=64, num_warps=4)
     return out

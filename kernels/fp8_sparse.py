@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .cslt_layout import bf16_to_e4m3_nibble_order, check_shape_e4m3, compressed_bytes_e4m3, decompress
 from .cusparselt import cached_mm
-from .fp8_cast import round_to_float8, scaled_cast
+from .fp8_cast import float8_bits, round_to_float8, scaled_cast
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -33,20 +33,23 @@ AMAX_FLOOR = 1e-12  # an all-zero row (token padding) gets a finite scale
 
 def pow2_scale(amax: Tensor) -> Tensor:
     """The largest power of 2 s with amax * s <= 448, from amax's bits (float32; exact, no log2):
-    with amax = m 2^e (1 <= m < 2), s = 2^(8 - e), or 2^(7 - e) where m > 1.75 (448 = 1.75 2^8)."""
-    bits = amax.float().clamp(min=AMAX_FLOOR).view(torch.int32)
+    with amax = m 2^e (1 <= m < 2), s = 2^(8 - e), or 2^(7 - e) where m > 1.75 (448 = 1.75 2^8).
+    NaN for a non-finite amax: the row's values become NaN, which the trainer's check catches."""
+    a = amax.float()
+    bits = a.clamp(min=AMAX_FLOOR).view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127
     e_s = 8 - e - ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
-    return ((e_s + 127) << 23).view(torch.float32)
+    return torch.where(torch.isfinite(a), ((e_s + 127) << 23).view(torch.float32), float("nan"))
 
 
 @triton.jit
-def _pow2_scale(amax):
-    """pow2_scale, in Triton."""
+def _pow2_scale(amax, nan_seen):
+    """pow2_scale, in Triton (nan_seen: the row held a NaN, which Triton's max reduction may drop)."""
     bits = tl.maximum(amax, 1e-12).to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127
     e_s = 8 - e - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    return ((e_s + 127) << 23).to(tl.float32, bitcast=True)
+    bad = nan_seen | (amax > 3.0e38)  # NaN seen, or inf (fp32's largest finite is 3.4e38)
+    return tl.where(bad, 0x7FC00000, (e_s + 127) << 23).to(tl.float32, bitcast=True)  # 0x7FC00000: NaN
 
 
 @triton.jit
@@ -56,16 +59,18 @@ def _rows_to_e4m3_kernel(x_ptr, out_ptr, scale_ptr, stride_x, C: tl.constexpr, B
     under numpy >= 2.4."""
     r = tl.program_id(0)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
+    nan = tl.zeros([BLOCK], dtype=tl.int32)
     for c0 in range(0, C, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + r * stride_x + c, mask=c < C, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    s = _pow2_scale(tl.max(amax, 0))
+        nan = tl.maximum(nan, (v != v).to(tl.int32))
+    s = _pow2_scale(tl.max(amax, 0), tl.max(nan, 0) > 0)
     tl.store(scale_ptr + r, s)
     for c0 in range(0, C, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + r * stride_x + c, mask=c < C, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * C + c, round_to_float8(v * s, False).to(tl.float8e4nv), mask=c < C)
+        tl.store(out_ptr + r * C + c, float8_bits(round_to_float8(v * s, False), False), mask=c < C)
 
 
 @triton.jit
@@ -90,10 +95,12 @@ def rows_to_e4m3(x: Tensor, out: Tensor = None) -> tuple[Tensor, Tensor]:
     """rows_to_e4m3_reference in one Triton pass over x's rows (each read twice, the second from cache).
     out: where to write the e4m3 rows (a contiguous [M, C] view), else a new tensor."""
     m, c = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"rows_to_e4m3 needs rows of consecutive elements, got strides {x.stride()}")
     out = torch.empty(m, c, dtype=E4M3, device=x.device) if out is None else out
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        _rows_to_e4m3_kernel[(m,)](x, out, scale, x.stride(0), C=c, BLOCK=1024, num_warps=4)
+        _rows_to_e4m3_kernel[(m,)](x, out.view(torch.uint8), scale, x.stride(0), C=c, BLOCK=1024, num_warps=4)
     return out, scale
 
 
@@ -144,9 +151,12 @@ def unscale_(y: Tensor, row: Tensor, col: Tensor) -> Tensor:
 
 
 def usable(buf: Tensor, b: Tensor) -> bool:
-    """sparse_mm runs these operands: a bf16 compressed A on an sm90 GPU, its rows and the
-    reduction dimension (B's rows) multiples of 64 (the e4m3 layout's tile)."""
+    """sparse_mm runs these operands: a bf16 compressed A on an sm90 GPU with cuSPARSELt >= 0.6
+    (e4m3 kernels), its rows and the reduction dimension (B's rows) multiples of 64 (the e4m3
+    layout's tile). Otherwise the caller's bf16 2:4 GEMM runs: so the weight gradients do where
+    the tokens per micro-batch are not a multiple of 64 (they are padded to 32)."""
     return (buf.is_cuda and buf.dtype == b.dtype == torch.bfloat16 and torch.cuda.get_device_capability(buf.device)[0] == 9
+            and (torch.backends.cusparselt.version() or 0) >= 600
             and buf.shape[0] % 64 == 0 and b.shape[0] % 64 == 0 and buf.numel() * 16 == buf.shape[0] * b.shape[0] * 9)
 
 

@@ -97,7 +97,7 @@ def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False)
 @torch.library.custom_op("srelu24::srelu24_ffn_fwd", mutates_args=())
 def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dense_feature_fraction: float,
                     token_permutation: bool, reuse_forward_mask: bool,
-                    float8: str = "none", sparse_float8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    float8: str = "none", sparse_float8: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d], what the backward reads (`keeps_a24`: compressed A24 [padded_rows(T), 9F/16],
     else Z [T, F]), kept non-zeros per feature [F] int32, the statistics row [N_SUMS] float64,
     empty unless collect_stats). The last two switches are the backward's, passed here so that
@@ -117,7 +117,7 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
 
 @srelu24_ffn_fwd.register_fake
 def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask, float8="none",
-      sparse_float8=False):
+      sparse_float8=True):
     _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
     T, F_ = x.shape[0], w1.shape[0]
     saved = (x.new_empty(padded_rows(T), F_ * 9 // 16) if keeps_a24(x, w1, reuse_forward_mask)
@@ -137,7 +137,7 @@ def keeps_a24(x: Tensor, w1: Tensor, reuse_forward_mask: bool) -> bool:
 def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
                     token_permutation: bool, dense_feature_fraction: float,
                     reuse_forward_mask: bool, float8: str = "none",
-                    sparse_float8: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                    sparse_float8: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(dX, dW1, dW2), all bf16. saved: the forward's compressed A24 or Z (srelu24_ffn_fwd)."""
     _check_bf16("srelu24_ffn_bwd", x=x, w1=w1, w2=w2, saved=saved)
     T, F_ = x.shape[0], w1.shape[0]
@@ -177,7 +177,7 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
 
 @srelu24_ffn_bwd.register_fake
 def _(dy, x, w1, w2, saved, counts, token_permutation, dense_feature_fraction, reuse_forward_mask, float8="none",
-      sparse_float8=False):
+      sparse_float8=True):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
 
 

@@ -31,6 +31,18 @@ def test_scaled_cast_equals_torch_bit_for_bit(dtype, scale_kind, transpose):
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_scaled_cast_keeps_nan(dtype):
+    t = awkward(8, 64)
+    for i, bits in enumerate((0x7FFF, 0x7FC0, -1)):  # NaNs of several payloads and signs (-1: 0xFFFF)
+        t.view(torch.int16)[i, 3] = bits
+    want = scaled_cast_reference(t, torch.tensor(2.0), dtype)
+    got = scaled_cast(t.to(DEV), torch.tensor(2.0).to(DEV), dtype).cpu()
+    assert got[:3, 3].float().isnan().all()
+    finite = ~want.float().isnan()
+    assert torch.equal(got.view(torch.uint8)[finite], want.view(torch.uint8)[finite])
+
+
 def test_scaled_cast_reads_any_strides():
     t = awkward(96, 64)
     want = scaled_cast_reference(t.t(), torch.tensor(0.5), E4M3)

@@ -17,7 +17,7 @@ def sparse_bf16(m: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
     a[0] = 0.0  # an all-zero row (token padding)
-    a[1, :8] = torch.tensor([448.0, -449.0, 1e-4, 0.0, 3e-3, -0.0155, 0.0157, 2.0])  # saturation, subnormals
+    a[1, :8] = torch.tensor([448.0, -440.0, 1e-4, 0.0, 3e-3, -0.0155, 0.0157, 2.0])  # the row's amax, subnormals
     a = a.bfloat16()
     keep = mask_2to4(a.float())
     return a * keep, keep
@@ -37,6 +37,19 @@ def test_rows_to_e4m3_matches_its_reference_bit_for_bit():
     want, s_ref = fp8_sparse.rows_to_e4m3_reference(a)
     assert torch.equal(s.cpu(), s_ref)
     assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_nan_makes_its_row_nan_and_leaves_the_others():
+    a, _ = sparse_bf16(64, 128, 5)
+    a[3, 7] = float("nan")
+    a[4, 9] = float("inf")
+    got, s = fp8_sparse.rows_to_e4m3(a.to(DEV))
+    want, s_ref = fp8_sparse.rows_to_e4m3_reference(a)
+    got, s = got.cpu(), s.cpu()
+    assert s[3].isnan() and s[4].isnan() and s_ref[3].isnan() and s_ref[4].isnan()
+    assert got[3:5].float().isnan().all()
+    rest = torch.cat([torch.arange(3), torch.arange(5, 64)])
+    assert torch.equal(s[rest], s_ref[rest]) and torch.equal(got[rest].view(torch.uint8), want[rest].view(torch.uint8))
 
 
 def test_rounding_to_e4m3_ties_go_to_even():
