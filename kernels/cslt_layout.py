@@ -53,19 +53,51 @@ def kept_positions(keep: Tensor) -> tuple[Tensor, Tensor]:
     return p0, p1
 
 
+def _nibble_stream(words: Tensor, per_word: int) -> Tensor:
+    """The nibbles (int32, low first) of a 1-D tensor of 16-bit or 8-bit words."""
+    w = words.to(torch.int32) & ((1 << (4 * per_word)) - 1)
+    return torch.stack([(w >> (4 * j)) & 0xF for j in range(per_word)], -1).reshape(-1)
+
+
+def _pack_bytes(nibbles: Tensor) -> Tensor:
+    q = nibbles.reshape(-1, 2)
+    return (q[:, 0] | (q[:, 1] << 4)).to(torch.uint8)
+
+
+def _group_grid(m: int, k: int, device) -> tuple[Tensor, Tensor]:
+    """(row, group) of every group of 4 of an [m, k] matrix, each [m, k/4]."""
+    rows = torch.arange(m, device=device)[:, None].expand(m, k // 4)
+    return rows, torch.arange(k // 4, device=device)[None, :].expand(m, k // 4)
+
+
+def _values_and_nibbles(a: Tensor, keep: Tensor, index) -> tuple[Tensor, Tensor]:
+    """The kept values [m, k/4, 2] of a under `keep`, and the nibble stream (int32) in the order of
+    `index` (nibble_index or nibble_index_e4m3)."""
+    m, k = a.shape
+    p0, p1 = kept_positions(keep.reshape(m, k // 4, 4))
+    groups = a.reshape(m, k // 4, 4)
+    values = torch.stack([groups.gather(-1, p0[..., None])[..., 0], groups.gather(-1, p1[..., None])[..., 0]], -1)
+    nibbles = torch.empty(m * k // 4, dtype=torch.int32, device=a.device)
+    nibbles[index(*_group_grid(m, k, a.device), k).reshape(-1)] = (p0 | (p1 << 2)).reshape(-1).to(torch.int32)
+    return values, nibbles
+
+
+def _place_values(values: Tensor, nibbles: Tensor, m: int, k: int, index) -> Tensor:
+    """The dense [m, k] matrix (values' dtype, zeros elsewhere) of a value stream and its nibbles."""
+    values = values.reshape(m, k // 4, 2)
+    nib = nibbles[index(*_group_grid(m, k, values.device), k)]
+    out = torch.zeros(m, k // 4, 4, dtype=values.dtype, device=values.device)
+    out.scatter_(-1, (nib & 3)[..., None].long(), values[..., :1])
+    out.scatter_(-1, ((nib >> 2) & 3)[..., None].long(), values[..., 1:])
+    return out.reshape(m, k)
+
+
 def compress(a: Tensor, keep: Tensor) -> Tensor:
     """The compressed buffer (bf16, compressed_numel elements) of a [M, K] under the 2:4 mask
     `keep` (exactly 2 of every 4 along K)."""
     m, k = a.shape
     check_shape(m, k)
-    g = keep.reshape(m, k // 4, 4)
-    p0, p1 = kept_positions(g)
-    groups = a.reshape(m, k // 4, 4)
-    values = torch.stack([groups.gather(-1, p0[..., None])[..., 0], groups.gather(-1, p1[..., None])[..., 0]], -1)
-    rows = torch.arange(m, device=a.device)[:, None].expand(m, k // 4)
-    cols = torch.arange(k // 4, device=a.device)[None, :].expand(m, k // 4)
-    nibbles = torch.empty(m * k // 4, dtype=torch.int32, device=a.device)
-    nibbles[nibble_index(rows, cols, k).reshape(-1)] = (p0 | (p1 << 2)).reshape(-1).to(torch.int32)
+    values, nibbles = _values_and_nibbles(a, keep, nibble_index)
     q = nibbles.reshape(-1, 4)
     words = q[:, 0] | (q[:, 1] << 4) | (q[:, 2] << 8) | (q[:, 3] << 12)
     meta = (((words + 32768) % 65536) - 32768).to(torch.int16).view(torch.bfloat16)  # 16-bit words, reinterpreted
@@ -76,16 +108,7 @@ def decompress(buf: Tensor, m: int, k: int) -> Tensor:
     """Inverse of compress: the dense [M, K] bf16 matrix (zeros where nothing is kept)."""
     check_shape(m, k)
     buf = buf.reshape(-1)
-    values = buf[: m * k // 2].reshape(m, k // 4, 2)
-    words = buf[m * k // 2:].view(torch.int16).to(torch.int32) & 0xFFFF
-    nibbles = torch.stack([(words >> (4 * j)) & 0xF for j in range(4)], -1).reshape(-1)
-    rows = torch.arange(m, device=buf.device)[:, None].expand(m, k // 4)
-    cols = torch.arange(k // 4, device=buf.device)[None, :].expand(m, k // 4)
-    nib = nibbles[nibble_index(rows, cols, k)]
-    out = torch.zeros(m, k // 4, 4, dtype=torch.bfloat16, device=buf.device)
-    out.scatter_(-1, (nib & 3)[..., None].long(), values[..., :1])
-    out.scatter_(-1, ((nib >> 2) & 3)[..., None].long(), values[..., 1:])
-    return out.reshape(m, k)
+    return _place_values(buf[: m * k // 2], _nibble_stream(buf[m * k // 2:].view(torch.int16), 4), m, k, nibble_index)
 
 
 E4M3_COLS_PER_CHUNK = 64
@@ -111,28 +134,11 @@ def nibble_index_e4m3(r: Tensor, g: Tensor, k: int) -> Tensor:
     return (rb * (k // 64) + kc) * 1024 + inner
 
 
-def _nibble_stream(words: Tensor, per_word: int) -> Tensor:
-    """The nibbles (int32, low first) of a 1-D tensor of 16-bit or 8-bit words."""
-    w = words.to(torch.int32) & ((1 << (4 * per_word)) - 1)
-    return torch.stack([(w >> (4 * j)) & 0xF for j in range(per_word)], -1).reshape(-1)
-
-
-def _pack_bytes(nibbles: Tensor) -> Tensor:
-    q = nibbles.reshape(-1, 2)
-    return (q[:, 0] | (q[:, 1] << 4)).to(torch.uint8)
-
-
 def compress_e4m3(a: Tensor, keep: Tensor) -> Tensor:
     """The compressed e4m3 buffer (uint8 [M, 5K/8]) of an e4m3 a [M, K] under the 2:4 mask `keep`."""
     m, k = a.shape
     check_shape_e4m3(m, k)
-    p0, p1 = kept_positions(keep.reshape(m, k // 4, 4))
-    groups = a.view(torch.uint8).reshape(m, k // 4, 4)
-    values = torch.stack([groups.gather(-1, p0[..., None])[..., 0], groups.gather(-1, p1[..., None])[..., 0]], -1)
-    rows = torch.arange(m, device=a.device)[:, None].expand(m, k // 4)
-    cols = torch.arange(k // 4, device=a.device)[None, :].expand(m, k // 4)
-    nibbles = torch.empty(m * k // 4, dtype=torch.int32, device=a.device)
-    nibbles[nibble_index_e4m3(rows, cols, k).reshape(-1)] = (p0 | (p1 << 2)).reshape(-1).to(torch.int32)
+    values, nibbles = _values_and_nibbles(a.view(torch.uint8), keep, nibble_index_e4m3)
     return torch.cat([values.reshape(-1), _pack_bytes(nibbles)]).view(m, -1)
 
 
@@ -140,15 +146,8 @@ def decompress_e4m3(buf: Tensor, m: int, k: int) -> Tensor:
     """Inverse of compress_e4m3: the dense e4m3 [M, K] (zeros where nothing is kept)."""
     check_shape_e4m3(m, k)
     buf = buf.reshape(-1).view(torch.uint8)
-    values = buf[: m * k // 2].reshape(m, k // 4, 2)
-    nibbles = _nibble_stream(buf[m * k // 2:], 2)
-    rows = torch.arange(m, device=buf.device)[:, None].expand(m, k // 4)
-    cols = torch.arange(k // 4, device=buf.device)[None, :].expand(m, k // 4)
-    nib = nibbles[nibble_index_e4m3(rows, cols, k)]
-    out = torch.zeros(m, k // 4, 4, dtype=torch.uint8, device=buf.device)
-    out.scatter_(-1, (nib & 3)[..., None].long(), values[..., :1])
-    out.scatter_(-1, ((nib >> 2) & 3)[..., None].long(), values[..., 1:])
-    return out.reshape(m, k).view(torch.float8_e4m3fn)
+    out = _place_values(buf[: m * k // 2], _nibble_stream(buf[m * k // 2:], 2), m, k, nibble_index_e4m3)
+    return out.view(torch.float8_e4m3fn)
 
 
 _PERMUTATION: dict = {}

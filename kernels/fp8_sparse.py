@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .cslt_layout import bf16_to_e4m3_nibble_order, check_shape_e4m3, compressed_bytes_e4m3, decompress
-from .cusparselt import cached_mm
+from .cusparselt import cached_mm, searched_alg
 from .fp8_cast import float8_bits, round_to_float8, scaled_cast
 
 E4M3 = torch.float8_e4m3fn
@@ -160,34 +160,13 @@ def usable(buf: Tensor, b: Tensor) -> bool:
             and buf.shape[0] % 64 == 0 and b.shape[0] % 64 == 0 and buf.numel() * 16 == buf.shape[0] * b.shape[0] * 9)
 
 
-_ALG: dict = {}
-
-
-def _algorithm(a8: Tensor, b8: Tensor, transpose_result: bool) -> int:
-    """torch's search's id for this shape, kept only if its product equals id 0's (an upstream
-    issue reports wrong results for some ids); cached per shape and layout."""
-    key = (tuple(a8.shape), tuple(b8.shape), b8.stride(), transpose_result)
-    if key not in _ALG:
-        _ALG[key] = 0
-        try:
-            alg = torch._C._cusparselt.mm_search(a8, b8, None, None, torch.bfloat16, transpose_result)[0]
-            mm = torch._cslt_sparse_mm
-            ref = mm(a8, b8, out_dtype=torch.bfloat16, transpose_result=transpose_result).float()
-            got = mm(a8, b8, out_dtype=torch.bfloat16, transpose_result=transpose_result, alg_id=alg).float()
-            if ((got - ref).norm() <= 1e-3 * ref.norm()).item():
-                _ALG[key] = alg
-        except (AttributeError, RuntimeError, TypeError):
-            pass
-    return _ALG[key]
-
-
 def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
     """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
     in bf16; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm."""
     m, k = buf.shape[0], b.shape[0]
     a8, sa = compressed_to_e4m3(buf, m, k)
     b8, sb = kmajor_e4m3(b)
-    y = cached_mm(a8, b8, _algorithm(a8, b8, transpose_result), transpose_result)  # plans cached: host time
+    y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
     ra, rb = sa.reciprocal(), sb.reciprocal()
     return unscale_(y, rb, ra) if transpose_result else unscale_(y, ra, rb)
 

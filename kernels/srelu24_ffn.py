@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import fp8_gemm, fp8_sparse
-from .cusparselt import cached_mm, torch_mm
+from .cusparselt import cached_mm, searched_alg, torch_mm
 from .ffn_stats import N_SUMS, srelu24_sums_from_counts
 from .srelu24_reference import SReLU24Recipe, densest_from_counts, random_token_order
 from .srelu24_sparsify import padded_rows, srelu_sparsify_2to4
@@ -47,25 +47,10 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return F.pad(t, (0, 0, 0, rows - t.shape[0])) if rows != t.shape[0] else t
 
 
-_ALG: dict = {}
-
-
 def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
-    """A @ B with A compressed, through cuSPARSELt, with the algorithm found fastest by
-    mm_search for this shape and layout (cached). An upstream issue reports wrong results for
-    some algorithm ids, so a searched id is kept only if it matches the default's product.
+    """A @ B with A compressed, through cuSPARSELt, at the searched algorithm id (kernels/cusparselt.py).
     transpose_result: (A @ B)^T [n, m] written directly (cuSPARSELt's column-major output)."""
-    key = (tuple(a.shape), tuple(b.shape), b.stride(), transpose_result)
-    if key not in _ALG:
-        _ALG[key] = 0
-        try:
-            alg = torch._C._cusparselt.mm_search(a, b, None, None, None, transpose_result)[0]
-            ref, got = torch_mm(a, b, 0, transpose_result), torch_mm(a, b, alg, transpose_result)
-            if ((got.float() - ref.float()).norm() <= 1e-3 * ref.float().norm()).item():
-                _ALG[key] = alg
-        except (AttributeError, RuntimeError, TypeError):
-            pass  # no search in this build (or the CPU stand-in in tests): the default algorithm
-    alg = _ALG[key]
+    alg = searched_alg(a, b, transpose_result)
     if a.is_cuda:  # plans cached: torch's op re-plans every call (host time; kernels/cusparselt.py)
         return cached_mm(a, b, alg, transpose_result)
     return torch_mm(a, b, alg, transpose_result)

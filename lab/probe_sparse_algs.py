@@ -21,7 +21,8 @@ from triton.testing import do_bench  # noqa: E402
 from kernels.cusparselt import cached_mm  # noqa: E402
 from kernels.srelu24_sparsify import srelu_sparsify_2to4  # noqa: E402
 from kernels.srelu24_sparsify_backward import backward_operands, padded_tokens  # noqa: E402
-from kernels.srelu24_ffn import _ALG, sparse_mm  # noqa: E402
+from kernels.cusparselt import _SEARCHED  # noqa: E402
+from kernels.srelu24_ffn import sparse_mm  # noqa: E402
 from kernels.srelu24_reference import densest_from_counts, random_token_order  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 
@@ -50,7 +51,7 @@ def main() -> int:
     rows = []
     for name, (a, b, tr) in gemms.items():
         sparse_mm(a, b, transpose_result=tr)
-        picked = next(v for k, v in _ALG.items() if k[0] == tuple(a.shape) and k[1] == tuple(b.shape) and k[3] == tr)
+        picked = next(v for k, v in _SEARCHED.items() if k[0] == tuple(a.shape) and k[1] == tuple(b.shape) and k[3] == tr)
         ref = cached_mm(a, b, 0, tr).float()
         times = {}
         for alg in range(args.max_ids):
