@@ -9,9 +9,10 @@ torchao's own). Its 2:4 GEMMs are kernels/fp8_sparse.py's.
     rowwise     e4m3               e4m3                  row of the reduction dim,      fast in the forward
                                                          rounded down to a power of 2
 
-scale = fp8 max / max(amax, 1e-12) (float64, then float32: torchao's amax_to_scale); values are
-scaled in fp32, saturated to +-max and cast (on a GPU in one Triton pass, kernels/fp8_cast.py, which
-also writes B column-major); torch._scaled_mm takes the scales' reciprocals and writes bf16.
+scale = fp8 max / max(amax, 1e-12) (float64, then float32: torchao's amax_to_scale; on a GPU one
+Triton launch computes it and its reciprocal); values are scaled in fp32, saturated to +-max and
+cast (on a GPU in one Triton pass, kernels/fp8_cast.py, which also writes B column-major);
+torch._scaled_mm takes the scales' reciprocals and writes bf16.
 `mm_reference` computes the same product from the same float8 values in fp32.
 
 Needs a GPU of compute capability >= 8.9 (training/float8.py checks); torch's CPU _scaled_mm
@@ -20,6 +21,8 @@ Needs a GPU of compute capability >= 8.9 (training/float8.py checks); torch's CP
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from .fp8_cast import scaled_cast, scaled_cast_reference
@@ -50,25 +53,64 @@ def _cast(t: Tensor, scale: Tensor, dtype: torch.dtype, column_major: bool) -> T
     return scaled_cast(t, scale, dtype, transpose=True).t()
 
 
-def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool = False) -> tuple[Tensor, Tensor]:
-    """(t * scale cast to dtype, scale): amax over `dim` (kept as size 1; None: the whole tensor),
-    as torchao's hp_tensor_to_float8_dynamic. column_major: the cast laid out column-major."""
-    inf = float("inf")  # the largest |t|, in one pass (no |t| tensor)
-    amax = torch.linalg.vector_norm(t, inf) if dim is None else torch.linalg.vector_norm(t, inf, dim=dim, keepdim=True)
-    fmax = torch.finfo(dtype).max
+def amax_to_scale_reference(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor]:
+    """(scale, 1 / scale), float32, as torchao's amax_to_scale (and its power-of-2 rounding)."""
     scale = (fmax / amax.double().clamp(min=EPS)).float()
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return _cast(t, scale, dtype, column_major), scale
+    return scale, scale.reciprocal()
+
+
+@triton.jit
+def _amax_to_scale_kernel(amax_ptr, scale_ptr, inv_ptr, n, FMAX: tl.constexpr, POW2: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """amax_to_scale_reference in one launch (the reference is 5-8 launches of one element each).
+    POW2 keeps the scale's exponent: the same as exp2(floor(log2)) for every amax a bf16 operand
+    can have (a bf16 amax never puts the scale within 2^-8 below a power of 2, where log2 could
+    round up)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    a = tl.load(amax_ptr + i, mask=m, other=1.0).to(tl.float64)
+    # EPS = 1e-12 as a float64, from its bits: a float literal in a kernel is a float32
+    eps = tl.full([BLOCK], 0x3D719799812DEA11, tl.int64).to(tl.float64, bitcast=True)
+    a = tl.maximum(a, eps, propagate_nan=tl.PropagateNan.ALL)
+    s = (tl.full([BLOCK], FMAX, tl.float64) / a).to(tl.float32)  # float64 division is IEEE (div.rn.f64)
+    if POW2:
+        bits = s.to(tl.int32, bitcast=True) & -8388608  # 0xFF800000: sign and exponent
+        s = tl.where(s != s, s, bits.to(tl.float32, bitcast=True))
+    tl.store(scale_ptr + i, s, mask=m)
+    tl.store(inv_ptr + i, tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), s), mask=m)
+
+
+def amax_to_scale(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor]:
+    """amax_to_scale_reference; on a GPU in one Triton launch (host time: srelu24's casts at 1B shapes
+    left the GPU waiting on the host)."""
+    if not amax.is_cuda:
+        return amax_to_scale_reference(amax, fmax, pow2)
+    a = amax.contiguous()
+    scale, inv = torch.empty(a.shape, dtype=torch.float32, device=a.device), torch.empty(a.shape, dtype=torch.float32,
+                                                                                         device=a.device)
+    n = a.numel()
+    _amax_to_scale_kernel[(triton.cdiv(n, 1024),)](a, scale, inv, n, FMAX=fmax, POW2=pow2, BLOCK=1024, num_warps=4)
+    return scale, inv
+
+
+def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(t * scale cast to dtype, scale, 1 / scale): amax over `dim` (kept as size 1; None: the whole
+    tensor), as torchao's hp_tensor_to_float8_dynamic. column_major: the cast laid out column-major."""
+    inf = float("inf")  # the largest |t|, in one pass (no |t| tensor)
+    amax = torch.linalg.vector_norm(t, inf) if dim is None else torch.linalg.vector_norm(t, inf, dim=dim, keepdim=True)
+    scale, inv = amax_to_scale(amax, torch.finfo(dtype).max, pow2)
+    return _cast(t, scale, dtype, column_major), scale, inv
 
 
 def _operands(a: Tensor, b: Tensor, recipe: str, grad: bool):
     """a, b in float8 and the reciprocals of their scales (what _scaled_mm multiplies by)."""
     r = RECIPES[recipe]
     # a [M, K] scaled per row, b [K, N] per column: both along K, the reduction
-    a8, sa = to_float8(a, r.grad_dtype if grad else E4M3, 1 if r.rowwise else None, r.pow2_scales)
-    b8, sb = to_float8(b, E4M3, 0 if r.rowwise else None, r.pow2_scales, column_major=True)  # _scaled_mm's B
-    return a8, sa.reciprocal(), b8, sb.reciprocal()
+    a8, _, ia = to_float8(a, r.grad_dtype if grad else E4M3, 1 if r.rowwise else None, r.pow2_scales)
+    b8, _, ib = to_float8(b, E4M3, 0 if r.rowwise else None, r.pow2_scales, column_major=True)  # _scaled_mm's B
+    return a8, ia, b8, ib
 
 
 def mm(a: Tensor, b: Tensor, recipe: str, grad: bool = False) -> Tensor:

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+import triton
 
 import kernels.fp8_gemm as fp8
 from helpers import EXPERIMENTS, ROOT, compose_config, run_train, tiny_overrides, to_object, with_cache
@@ -247,13 +248,29 @@ def test_fp8_casts_equal_torchaos_bit_for_bit(recipe, grad):
                                          scaling_granularity=w_cast.scaling_granularity,
                                          axiswise_dim=get_maybe_axiswise_dim(dim, w_cast.scaling_granularity),
                                          round_scales_to_power_of_2=c.round_scales_to_power_of_2)
-    got_a, sa = fp8.to_float8(a, r.grad_dtype if grad else fp8.E4M3, 1 if r.rowwise else None, r.pow2_scales)
-    got_w, sw = fp8.to_float8(w, fp8.E4M3, 0 if r.rowwise else None, r.pow2_scales)
+    got_a, sa, _ = fp8.to_float8(a, r.grad_dtype if grad else fp8.E4M3, 1 if r.rowwise else None, r.pow2_scales)
+    got_w, sw, _ = fp8.to_float8(w, fp8.E4M3, 0 if r.rowwise else None, r.pow2_scales)
     want_w_data, want_w_scale = (want_w._data.t(), want_w._scale.t()) if grad else (want_w._data, want_w._scale)
     assert got_a.dtype == want_a._data.dtype and got_w.dtype == want_w_data.dtype
     assert torch.equal(got_a.view(torch.uint8), want_a._data.view(torch.uint8))
     assert torch.equal(got_w.view(torch.uint8), want_w_data.view(torch.uint8))
     assert torch.equal(sa, want_a._scale.reshape(sa.shape)) and torch.equal(sw, want_w_scale.reshape(sw.shape))
+
+
+@pytest.mark.parametrize("fmax,pow2", [(448.0, False), (57344.0, False), (448.0, True)])
+def test_amax_to_scale_kernel_equals_torchaos_formula_for_every_bf16_amax(fmax, pow2):
+    """The one-launch scale kernel (Triton interpreter) against the PyTorch formula, for every
+    non-negative bf16 amax (all 2^15 bit patterns, zero, subnormals, inf and NaN among them), in a
+    random order: scale and reciprocal bit for bit."""
+    bits = torch.arange(0, 1 << 15, dtype=torch.int32).to(torch.int16)
+    amax = bits[torch.randperm(bits.numel())].view(torch.bfloat16)
+    want_s, want_i = fp8.amax_to_scale_reference(amax, fmax, pow2)
+    got_s, got_i = torch.empty_like(want_s), torch.empty_like(want_i)
+    n = amax.numel()
+    fp8._amax_to_scale_kernel[(triton.cdiv(n, 1024),)](amax, got_s, got_i, n, FMAX=fmax, POW2=pow2, BLOCK=1024)
+    for got, want in ((got_s, want_s), (got_i, want_i)):
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        assert bool(same.all()), amax[~same][:4]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -378,6 +395,16 @@ def test_train_on_the_cpu_with_float8_exits_2_with_one_line(tmp_path, corpus, ca
 
 
 # ---------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmax,pow2", [(448.0, False), (57344.0, False), (448.0, True)])
+def test_amax_to_scale_on_cuda_equals_torchaos_formula_for_every_bf16_amax(fmax, pow2):
+    bits = torch.arange(0, 1 << 15, dtype=torch.int32).to(torch.int16)
+    amax = bits[torch.randperm(bits.numel())].view(torch.bfloat16).cuda()
+    for got, want in zip(fp8.amax_to_scale(amax, fmax, pow2), fp8.amax_to_scale_reference(amax, fmax, pow2)):
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        assert bool(same.all()), amax[~same][:4]
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

@@ -3,9 +3,10 @@ PyTorch references bit for bit (CPU: TRITON_INTERPRET), the power-of-2 scales, a
 e4m3 product against its fp32 reference and the FFN's gradients against bf16."""
 import pytest
 import torch
+import triton
 
 from kernels import fp8_sparse
-from kernels.cslt_layout import compress, compress_e4m3, decompress_e4m3
+from kernels.cslt_layout import bf16_to_e4m3_nibble_order, compress, compress_e4m3, decompress_e4m3, e4m3_metadata
 from kernels.srelu24_reference import mask_2to4
 
 E4M3 = torch.float8_e4m3fn
@@ -60,8 +61,21 @@ def test_rounding_to_e4m3_ties_go_to_even():
     assert torch.equal(got.cpu().view(torch.uint8), x.to(E4M3).view(torch.uint8))
 
 
-def test_compressed_to_e4m3_is_the_e4m3_compression_of_the_scaled_matrix():
-    m, k = 128, 192
+def test_a_huge_finite_row_gets_a_finite_scale():
+    # bf16's largest finite values (up to 3.39e38) are finite amaxes, as pow2_scale has them
+    a, _ = sparse_bf16(64, 128, 6)
+    a[2, 5], a[3, 0] = 3.2e38, -3.3e38
+    got, s = fp8_sparse.rows_to_e4m3(a.to(DEV))
+    want, s_ref = fp8_sparse.rows_to_e4m3_reference(a)
+    assert s_ref[2:4].isfinite().all()
+    assert torch.equal(s.cpu(), s_ref) and torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+# 64 x 64 is one 512-byte metadata block; 6 and 33 blocks are no multiples of 4 or 8 blocks a program
+@pytest.mark.parametrize("blocks", [1, 8])
+@pytest.mark.parametrize("m, k", [(64, 64), (128, 192), (192, 704)])
+def test_compressed_to_e4m3_is_the_e4m3_compression_of_the_scaled_matrix(m, k, blocks, monkeypatch):
+    monkeypatch.setattr(fp8_sparse, "METADATA_BLOCKS", blocks)
     a, keep = sparse_bf16(m, k, 1)
     buf8, s = fp8_sparse.compressed_to_e4m3(compress(a, keep).to(DEV), m, k)
     a8, s_ref = fp8_sparse.rows_to_e4m3_reference(a)
@@ -70,24 +84,100 @@ def test_compressed_to_e4m3_is_the_e4m3_compression_of_the_scaled_matrix():
     assert torch.equal(decompress_e4m3(buf8.cpu(), m, k).float(), a8.float())
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_kmajor_e4m3_matches_its_reference(transposed):
+@pytest.mark.parametrize("blocks", [1, 8])
+@pytest.mark.parametrize("m, k", [(64, 64), (192, 448), (128, 512)])  # 1, 21 and 16 blocks
+def test_the_metadata_kernel_is_e4m3_metadata_on_any_words(m, k, blocks):
+    g = torch.Generator().manual_seed(m + k)
+    words = torch.randint(-32768, 32768, (m * k // 16,), generator=g, dtype=torch.int32).to(torch.int16)
+    n_blocks, out = m * k // 4096, torch.full((m * k // 8,), 0xAA, dtype=torch.uint8, device=DEV)
+    fp8_sparse._metadata_kernel[(triton.cdiv(n_blocks, blocks),)](
+        words.to(DEV), bf16_to_e4m3_nibble_order(torch.device(DEV)), out, n_blocks, BLOCKS=blocks)
+    assert torch.equal(out.cpu(), e4m3_metadata(words, m, k))
+
+
+def _b_of_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """w [K, N] as B in one of the layouts kmajor_e4m3 takes: the transpose of a row-major, row-major,
+    or every other column of a wider row-major (neither)."""
+    if layout == "transposed":
+        return w.t().contiguous().t()
+    if layout == "row-major":
+        return w.contiguous()
+    wide = torch.zeros(w.shape[0], 2 * w.shape[1], dtype=w.dtype)
+    wide[:, ::2] = w
+    return wide[:, ::2]
+
+
+@pytest.mark.parametrize("layout", ["transposed", "row-major", "strided"])
+def test_kmajor_e4m3_matches_its_reference(layout):
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(96, 128, generator=g) * torch.logspace(-2, 2, 128)).bfloat16()
-    b = w.t() if transposed else w.t().contiguous().t().contiguous()  # [K, N]: the transpose of a row-major, or row-major
-    b = b.to(DEV)
+    b = _b_of_layout(w, layout).to(DEV)
     q, s = fp8_sparse.kmajor_e4m3(b)
     q_ref, s_ref = fp8_sparse.kmajor_e4m3_reference(b.cpu())
     assert q.shape == b.shape and q.t().is_contiguous()  # K-major
     assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
-def test_unscale_multiplies_rows_and_columns_in_place():
-    y = torch.randn(40, 200).bfloat16().to(DEV)
-    r, c = 2.0 ** torch.randint(-8, 8, (40,)).float(), 2.0 ** torch.randint(-8, 8, (200,)).float()
-    want = (y.cpu().float() * r[:, None] * c[None, :]).bfloat16()
-    got = fp8_sparse.unscale_(y, r.to(DEV), c.to(DEV))
-    assert got.data_ptr() == y.data_ptr() and torch.equal(got.cpu(), want)
+def _special_columns(k: int, n: int, seed: int) -> torch.Tensor:
+    """A bf16 [k, n] with columns of very different magnitudes, and columns with a NaN, +-inf, all
+    zeros, a tiny amax (under AMAX_FLOOR), bf16's largest finite values and amaxes at the scales' edges."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(k, n, generator=g) * torch.logspace(-4, 4, n)
+    b[k // 2, 1] = float("nan")
+    b[k - 1, 2] = float("inf")
+    b[0, 3] = -float("inf")
+    b[:, 4] = 0.0
+    b[:, 5] *= 1e-20
+    b[3, 6] = -3.3e38
+    b[k - 1, 7], b[1, 8], b[0, 9] = 448.0, 1.75, 1.7578125  # 1.7578125: bf16's first above 1.75
+    return b.bfloat16()
+
+
+def _bits(s: torch.Tensor) -> torch.Tensor:
+    return s.cpu().view(torch.int32)  # NaNs compared too
+
+
+@pytest.mark.parametrize("k, n", [(64, 64), (100, 70), (257, 200)])
+@pytest.mark.parametrize("layout", ["transposed", "row-major", "strided"])
+def test_column_scales_are_pow2_scale_of_the_column_amaxes(k, n, layout):
+    b = _b_of_layout(_special_columns(k, n, k + n), layout)
+    want = fp8_sparse.pow2_scale(b.float().abs().amax(0))
+    assert want[1:4].isnan().all() and not want[4:].isnan().any()
+    assert torch.equal(_bits(fp8_sparse.column_scales(b.to(DEV))), _bits(want))
+
+
+@pytest.mark.parametrize("layout", ["row-major", "strided"])
+def test_kmajor_e4m3_makes_nan_and_inf_columns_nan(layout):
+    b = _b_of_layout(_special_columns(128, 96, 7), layout)
+    q, s = fp8_sparse.kmajor_e4m3(b.to(DEV))
+    q_ref, s_ref = fp8_sparse.kmajor_e4m3_reference(b)
+    assert torch.equal(_bits(s), _bits(s_ref)) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert q.cpu()[:, 1:4].float().isnan().all() and not q.cpu()[:, 4:].float().isnan().any()
+
+
+@pytest.mark.parametrize("m, n", [(40, 200), (64, 128), (33, 1)])
+def test_unscale_divides_by_row_and_column_scales_in_place(m, n):
+    g = torch.Generator().manual_seed(m * n)
+    y = torch.randn(m, n, generator=g).bfloat16().to(DEV)
+    sr = 2.0 ** torch.randint(-40, 40, (m,), generator=g).float()
+    sc = 2.0 ** torch.randint(-40, 40, (n,), generator=g).float()
+    sr[m // 2] = float("nan")
+    want = (y.cpu().float() * sr.reciprocal()[:, None] * sc.reciprocal()[None, :]).bfloat16()  # sparse_mm's, before
+    got = fp8_sparse.unscale_(y, sr.to(DEV), sc.to(DEV))
+    assert got.data_ptr() == y.data_ptr()
+    got = got.cpu()
+    assert torch.equal(got.isnan(), want.isnan()) and got[m // 2].isnan().all()
+    fine = ~want.isnan()  # NaN's sign bit may differ
+    assert torch.equal(got[fine].view(torch.int16), want[fine].view(torch.int16))
+
+
+@pytest.mark.gpu  # the interpreter's cast to bf16 truncates; exact for powers of 2 only
+def test_unscale_rounds_reciprocals_of_any_scales_as_torch():
+    g = torch.Generator().manual_seed(9)
+    y = torch.randn(64, 256, generator=g).bfloat16().to(DEV)
+    sr, sc = torch.rand(64, generator=g) * 100 + 1e-3, torch.rand(256, generator=g) * 100 + 1e-3
+    want = (y.cpu().float() * sr.reciprocal()[:, None] * sc.reciprocal()[None, :]).bfloat16()
+    assert torch.equal(fp8_sparse.unscale_(y, sr.to(DEV), sc.to(DEV)).cpu().view(torch.int16), want.view(torch.int16))
 
 
 def test_the_reference_product_is_close_to_bf16():
