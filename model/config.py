@@ -23,6 +23,18 @@ class ModelConfig:
     attention: AttentionKind = AttentionKind.causal  # document: no attention across end-of-text tokens
 
 
+def attention_shape_problem(cfg: ModelConfig) -> Optional[str]:
+    """What makes the attention's shapes impossible, in one line naming the settings; None if nothing.
+    One definition for the model (ValueError) and the trainer's start-up checks (exit 2)."""
+    if cfg.n_heads <= 0 or cfg.dim % cfg.n_heads:
+        return f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}"
+    if (cfg.dim // cfg.n_heads) % 2:
+        return f"the head size model.dim/model.n_heads={cfg.dim // cfg.n_heads} must be even for RoPE"
+    if cfg.n_kv_heads is not None and (cfg.n_kv_heads <= 0 or cfg.n_heads % cfg.n_kv_heads):
+        return f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}"
+    return None
+
+
 @dataclass
 class FFNConfig:
     kind: str = "swiglu"              # a registered FFN (model/ffn.py): swiglu, srelu, srelu24

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kernels.srelu24_reference import permute_rows, random_token_orders
 
 from .attention import AttentionKind, Mask, attend, document_ids, document_mask
-from .config import FFNConfig, ModelConfig, ffn_hidden_dim
+from .config import FFNConfig, ModelConfig, attention_shape_problem, ffn_hidden_dim
 from .ffn import build_ffn
 
 
@@ -155,10 +155,9 @@ def _init(p: Tensor, fill) -> None:
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, ffn: FFNConfig, vocab_size: int, eot_id: Optional[int] = None):
         super().__init__()
-        if cfg.dim % cfg.n_heads:
-            raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
-        if cfg.n_kv_heads and cfg.n_heads % cfg.n_kv_heads:
-            raise ValueError(f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.n_kv_heads}")
+        problem = attention_shape_problem(cfg)
+        if problem:
+            raise ValueError(problem)
         self.cfg, self.ffn_cfg, self.vocab_size = cfg, ffn, vocab_size
         self.documents = AttentionKind(cfg.attention) == AttentionKind.document
         self.eot_id = eot_id  # where documents end (model.attention=document)

@@ -1,4 +1,6 @@
 """Config composition and the start-up errors a user sees for bad settings."""
+import re
+
 import pytest
 
 from helpers import EXPERIMENTS, compose_config, run_train, to_object
@@ -304,3 +306,18 @@ def test_hydra_shell_completion_passes_the_pre_compose():
     r = run_train(["-sc", "query=bash"], env={"COMP_LINE": "python train.py ffn="})  # what bash asks on <tab>
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["ffn=srelu", "ffn=srelu24", "ffn=swiglu"]
+
+
+@pytest.mark.parametrize("dim,heads,kv,setting", [(130, 4, None, "model.n_heads=4"), (12, 4, None, "must be even for RoPE"),
+                                                  (128, 4, 3, "model.n_kv_heads=3")])
+def test_attention_shapes_fail_alike_in_the_model_and_at_start_up(dim, heads, kv, setting):
+    """One message for each impossible attention shape: the model's ValueError is the trainer's ConfigError."""
+    from model import FFNConfig, ModelConfig, Transformer
+    from model.config import attention_shape_problem
+
+    cfg = ModelConfig(dim=dim, n_heads=heads, n_kv_heads=kv)
+    problem = attention_shape_problem(cfg)
+    assert problem and setting in problem
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        Transformer(cfg, FFNConfig(), vocab_size=300)
+    assert attention_shape_problem(ModelConfig(dim=128, n_heads=4, n_kv_heads=2)) is None

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from data.tokenizer import MIN_VOCAB_SIZE
-from model.config import ModelConfig, ffn_hidden_dim
+from model.config import ModelConfig, attention_shape_problem, ffn_hidden_dim
 from model.ffn import FFN, ffn_class
 
 from .config import Config, TrainerConfig
@@ -113,12 +113,9 @@ def check_config(cfg: Config, world_size: int = 1, rank: int = 0) -> None:
                           f"set ffn.hidden_dim={lo or hi} or {hi}")
     if hidden <= 0:
         raise ConfigError(f"the FFN hidden size must be positive, got {hidden} (ffn.hidden_dim / model.swiglu_hidden)")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"the head size model.dim/model.n_heads={m.dim // m.n_heads} must be even for RoPE")
-    if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    problem = attention_shape_problem(m)
+    if problem:
+        raise ConfigError(problem)
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.batch_size % (t.micro_batch_size * world_size):
