@@ -85,7 +85,7 @@ def _amax_to_scale_kernel(amax_ptr, scale_ptr, inv_ptr, n, FMAX: tl.constexpr, P
 def amax_to_scale(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor]:
     """amax_to_scale_reference; on a GPU in one Triton launch (host time: srelu24's casts at 1B shapes
     left the GPU waiting on the host)."""
-    if not amax.is_cuda:
+    if not amax.is_cuda or (pow2 and amax.dtype != torch.bfloat16):  # the kernel's pow2 rounding holds for bf16
         return amax_to_scale_reference(amax, fmax, pow2)
     a = amax.contiguous()
     scale, inv = torch.empty(a.shape, dtype=torch.float32, device=a.device), torch.empty(a.shape, dtype=torch.float32,

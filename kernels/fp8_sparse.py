@@ -182,7 +182,7 @@ def _unscale_kernel(y_ptr, sr_ptr, sc_ptr, M, N, BM: tl.constexpr, BN: tl.conste
     tl.store(ptr, (y * r[:, None] * c[None, :]).to(tl.bfloat16), mask=m)
 
 
-def unscale_(y: Tensor, row_scale: Tensor, col_scale: Tensor) -> Tensor:
+def unscale_(y: Tensor, *, row_scale: Tensor, col_scale: Tensor) -> Tensor:
     """y [M, N] (contiguous bf16) *= (1 / row_scale)[:, None] * (1 / col_scale)[None, :], in place, in
     one pass (the reciprocals inside it)."""
     m, n = y.shape
@@ -207,7 +207,9 @@ def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
     a8, sa = compressed_to_e4m3(buf, m, k)
     b8, sb = kmajor_e4m3(b)
     y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
-    return unscale_(y, sb, sa) if transpose_result else unscale_(y, sa, sb)
+    if transpose_result:  # y is (A B)^T: B's columns are its rows
+        return unscale_(y, row_scale=sb, col_scale=sa)
+    return unscale_(y, row_scale=sa, col_scale=sb)
 
 
 def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:

@@ -119,7 +119,7 @@ def pieces(t: int, d: int, f: int) -> dict:
     out[f"kmajor_e4m3 W1 (transposed [{f}, {d}])"] = bench(lambda: fp8_sparse.kmajor_e4m3(w1))
     out[f"kmajor_e4m3 X (transposed [{t}, {d}])"] = bench(lambda: fp8_sparse.kmajor_e4m3(x))
     y, r, c = x.clone(), torch.ones(t, device="cuda"), torch.ones(d, device="cuda")
-    out[f"unscale_ [{t}, {d}]"] = bench(lambda: fp8_sparse.unscale_(y, r, c))
+    out[f"unscale_ [{t}, {d}]"] = bench(lambda: fp8_sparse.unscale_(y, row_scale=r, col_scale=c))
     return out
 
 
