@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .cslt_layout import bf16_to_e4m3_nibble_order, check_shape_e4m3, compressed_bytes_e4m3, decompress
+from .cslt_layout import check_shape_e4m3, compressed_bytes_e4m3, decompress
 from .cusparselt import cached_mm, searched_alg
 from .fp8_cast import float8_bits, round_to_float8, scaled_cast
 
@@ -91,21 +91,36 @@ def _col_scales_kernel(b_ptr, scale_ptr, N, stride_k, stride_n, K: tl.constexpr,
 
 
 @triton.jit
-def _metadata_kernel(meta_ptr, perm_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
-    """BLOCKS 512-byte blocks of e4m3 metadata, each from the 256 16-bit words of the two bf16 tiles
-    it covers; several a program, so that the permutation is loaded once for them."""
+def _bf16_nibble(i):
+    """Where nibble i (0..1023) of an e4m3 metadata tile sits in the two bf16 tiles it covers: the
+    inverse of cslt_layout.nibble_index_e4m3 (a bit permutation) into row rr, group gg of the
+    64 x 64 tile, then cslt_layout.nibble_index of (rr, gg % 8) in bf16 tile gg // 8. Computed,
+    not loaded: a 1024-entry table cost each 512-byte block 8 KB of loads."""
+    gg = (i & 1) | (((i >> 3) & 3) << 1) | (((i >> 2) & 1) << 3)
+    rr = ((i >> 5) & 7) | (((i >> 1) & 1) << 3) | (((i >> 8) & 3) << 4)
+    g = gg & 7
+    return ((gg >> 3) * 512 + ((rr >> 3) & 1) + (((g >> 2) & 1) << 1) + ((g & 1) << 2) + (((g >> 1) & 1) << 3)
+            + ((rr & 7) << 4) + (((rr >> 4) & 3) << 7))
+
+
+@triton.jit
+def _metadata_kernel(meta_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
+    """BLOCKS 512-byte blocks of e4m3 metadata, each from the 128 32-bit words (256 16-bit words) of
+    the two bf16 tiles it covers. Output byte j holds e4m3 nibbles 2j, 2j + 1; they differ only in
+    their group's lowest bit, which in the bf16 order is nibble bit 2: the 16-bit words s // 4 and
+    s // 4 + 1 (s = _bf16_nibble(2j), s // 4 even), so one 32-bit load fetches both."""
     blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
     j = tl.arange(0, 512)
-    s0, s1 = tl.load(perm_ptr + 2 * j).to(tl.int32)[None, :], tl.load(perm_ptr + 2 * j + 1).to(tl.int32)[None, :]
+    s = _bf16_nibble(2 * j)[None, :]
     live = (blk < n_blocks) & (j[None, :] < 512)  # the last program's tail
-    w0 = tl.load(meta_ptr + blk * 256 + s0 // 4, mask=live, other=0).to(tl.int32) & 0xFFFF
-    w1 = tl.load(meta_ptr + blk * 256 + s1 // 4, mask=live, other=0).to(tl.int32) & 0xFFFF
-    n0, n1 = (w0 >> ((s0 % 4) * 4)) & 0xF, (w1 >> ((s1 % 4) * 4)) & 0xF
-    tl.store(out_ptr + blk * 512 + j[None, :], (n0 | (n1 << 4)).to(tl.uint8), mask=live)
+    w = tl.load(meta_ptr + blk * 128 + s // 8, mask=live, other=0)
+    shift = (s % 4) * 4
+    lo, hi = (w >> shift) & 0xF, (w >> (shift + 16)) & 0xF
+    tl.store(out_ptr + blk * 512 + j[None, :], (lo | (hi << 4)).to(tl.uint8), mask=live)
 
 
-# 512-byte blocks a program: on the H200 1 was as fast as any (7 us at 8192 x 1024, 16 us at
-# 4096 x 11008) and 8 up to 2x slower (fewer programs in flight); the kernel takes any
+# 512-byte blocks a program (the kernel takes any; tests run 1 and 8); with a table loaded per program,
+# 1 was the fastest on the H200 (7 us at 8192 x 1024, 16 us at 4096 x 11008)
 METADATA_BLOCKS = 1
 
 
@@ -135,10 +150,10 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
     flat = buf.reshape(-1)
     out = torch.empty(compressed_bytes_e4m3(m, k), dtype=torch.uint8, device=buf.device)
     _, scale = rows_to_e4m3(flat[: m * k // 2].view(m, k // 2), out[: m * k // 2].view(E4M3).view(m, k // 2))
-    meta = flat[m * k // 2:].view(torch.int16)
+    meta = flat[m * k // 2:].view(torch.int32)  # m * k bytes in: 4-byte aligned
     n_blocks = m * k // 4096
-    _metadata_kernel[(triton.cdiv(n_blocks, METADATA_BLOCKS),)](meta, bf16_to_e4m3_nibble_order(buf.device), out[m * k // 2:],
-                                                                n_blocks, BLOCKS=METADATA_BLOCKS, num_warps=4)
+    _metadata_kernel[(triton.cdiv(n_blocks, METADATA_BLOCKS),)](meta, out[m * k // 2:], n_blocks, BLOCKS=METADATA_BLOCKS,
+                                                                num_warps=4)
     return out.view(E4M3).view(m, -1), scale
 
 

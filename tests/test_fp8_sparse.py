@@ -6,7 +6,7 @@ import torch
 import triton
 
 from kernels import fp8_sparse
-from kernels.cslt_layout import bf16_to_e4m3_nibble_order, compress, compress_e4m3, decompress_e4m3, e4m3_metadata
+from kernels.cslt_layout import compress, compress_e4m3, decompress_e4m3, e4m3_metadata
 from kernels.srelu24_reference import mask_2to4
 
 E4M3 = torch.float8_e4m3fn
@@ -90,8 +90,8 @@ def test_the_metadata_kernel_is_e4m3_metadata_on_any_words(m, k, blocks):
     g = torch.Generator().manual_seed(m + k)
     words = torch.randint(-32768, 32768, (m * k // 16,), generator=g, dtype=torch.int32).to(torch.int16)
     n_blocks, out = m * k // 4096, torch.full((m * k // 8,), 0xAA, dtype=torch.uint8, device=DEV)
-    fp8_sparse._metadata_kernel[(triton.cdiv(n_blocks, blocks),)](
-        words.to(DEV), bf16_to_e4m3_nibble_order(torch.device(DEV)), out, n_blocks, BLOCKS=blocks)
+    fp8_sparse._metadata_kernel[(triton.cdiv(n_blocks, blocks),)](words.to(DEV).view(torch.int32), out, n_blocks,
+                                                                  BLOCKS=blocks)
     assert torch.equal(out.cpu(), e4m3_metadata(words, m, k))
 
 

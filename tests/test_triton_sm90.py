@@ -26,7 +26,7 @@ kernels += [
      "stride_x": "i32", "C": "constexpr", "BLOCK": "constexpr"}, {"C": 8256, "BLOCK": 1024}),
     ("col_scales", fp8_sparse._col_scales_kernel, {"b_ptr": "*bf16", "scale_ptr": "*fp32", "N": "i32", "stride_k": "i32",
      "stride_n": "i32", "K": "constexpr", "BK": "constexpr", "BN": "constexpr"}, {"K": 16384, "BK": 512, "BN": 16}, {"num_warps": 8}),  # as column_scales launches it
-    *[(f"metadata blocks={n}", fp8_sparse._metadata_kernel, {"meta_ptr": "*i16", "perm_ptr": "*i64", "out_ptr": "*u8",
+    *[(f"metadata blocks={n}", fp8_sparse._metadata_kernel, {"meta_ptr": "*i32", "out_ptr": "*u8",
        "n_blocks": "i32", "BLOCKS": "constexpr"}, {"BLOCKS": n}) for n in (1, 8)],
     ("unscale", fp8_sparse._unscale_kernel, {"y_ptr": "*bf16", "sr_ptr": "*fp32", "sc_ptr": "*fp32", "M": "i32",
      "N": "i32", "BM": "constexpr", "BN": "constexpr"}, {"BM": 32, "BN": 128}),
