@@ -119,9 +119,10 @@ def _metadata_kernel(meta_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
     tl.store(out_ptr + blk * 512 + j[None, :], (lo | (hi << 4)).to(tl.uint8), mask=live)
 
 
-# 512-byte blocks a program (the kernel takes any; tests run 1 and 8); with a table loaded per program,
-# 1 was the fastest on the H200 (7 us at 8192 x 1024, 16 us at 4096 x 11008)
-METADATA_BLOCKS = 1
+# 512-byte blocks a program (the kernel takes any; tests run 1 and 8). On the H200 at the 7B and 1B
+# FFN's operands (8192-16512 x 8192-16512), 2 (4 warps) took 21 us, 1 took 25, 4 took 27, 8 took 43,
+# the table-loading kernel before it 36-37 (.gpu A/B of session 12; benchmarks/RESULTS.md)
+METADATA_BLOCKS = 2
 
 
 def rows_to_e4m3_reference(x: Tensor) -> tuple[Tensor, Tensor]:
