@@ -121,7 +121,7 @@ def _metadata_kernel(meta_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
 
 # 512-byte blocks a program (the kernel takes any; tests run 1 and 8). On the H200 at the 7B and 1B
 # FFN's operands (8192-16512 x 8192-16512), 2 (4 warps) took 21 us, 1 took 25, 4 took 27, 8 took 43,
-# the table-loading kernel before it 36-37 (.gpu A/B of session 12; benchmarks/RESULTS.md)
+# the table-loading kernel before it 36-37 (benchmarks/RESULTS.md)
 METADATA_BLOCKS = 2
 
 
