@@ -18,12 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels.fp8_cast import float8_bits, round_to_float8  # noqa: E402
-from kernels.fp8_sparse import _pow2_scale  # noqa: E402
 from kernels.srelu24_ffn import sparse_mm  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -106,42 +102,6 @@ def probe_shape(m: int, k: int, n: int, max_ids: int) -> dict:
     return row
 
 
-@triton.jit
-def _rows_to_e4m3_one_pass(x_ptr, out_ptr, scale_ptr, stride_x, C: tl.constexpr, BLOCK: tl.constexpr):
-    """kernels/fp8_sparse.py's _rows_to_e4m3_kernel with the whole row in registers (BLOCK >= C):
-    one load of each value instead of two. A candidate, timed and checked against it in `rows_variants`."""
-    r = tl.program_id(0)
-    c = tl.arange(0, BLOCK)
-    v = tl.load(x_ptr + r * stride_x + c, mask=c < C, other=0.0).to(tl.float32)
-    s = _pow2_scale(tl.max(tl.abs(v), 0), tl.max((v != v).to(tl.int32), 0) > 0)
-    tl.store(scale_ptr + r, s)
-    tl.store(out_ptr + r * C + c, float8_bits(round_to_float8(v * s, False), False), mask=c < C)
-
-
-def rows_variants(t: int, f: int) -> dict:
-    """The costliest e4m3 conversion (rows of a compressed buffer's values to e4m3) at other launch
-    settings and in one pass, each checked bit for bit against kernels/fp8_sparse.rows_to_e4m3: ms."""
-    from kernels import fp8_sparse
-
-    out = {}
-    for m, c in ((t, f // 2), (f, t // 2)):
-        x = torch.relu(torch.randn(m, c, device="cuda")).square().bfloat16()
-        want_q, want_s = fp8_sparse.rows_to_e4m3(x)
-        q, s = torch.empty(m, c, dtype=torch.uint8, device="cuda"), torch.empty(m, device="cuda")
-        out[f"rows_to_e4m3 [{m}, {c}] as shipped"] = bench(lambda: fp8_sparse.rows_to_e4m3(x))
-        out[f"copy [{m}, {c}]"] = bench(lambda: x.clone())
-        runs = [(f"two passes BLOCK={b} warps={w}", fp8_sparse._rows_to_e4m3_kernel, b, w)
-                for b, w in ((512, 4), (1024, 8), (2048, 8), (4096, 8))]
-        runs += [(f"one pass warps={w}", _rows_to_e4m3_one_pass, triton.next_power_of_2(c), w) for w in (4, 8, 16)]
-        for name, kernel, b, w in runs:
-            def launch():
-                kernel[(m,)](x, q, s, x.stride(0), C=c, BLOCK=b, num_warps=w)
-            launch()
-            same = torch.equal(q, want_q.view(torch.uint8)) and torch.equal(s, want_s)
-            out[f"rows_to_e4m3 [{m}, {c}] {name}"] = bench(launch) if same else "differs"
-    return out
-
-
 def pieces(t: int, d: int, f: int) -> dict:
     """kernels/fp8_sparse.py's passes around each e4m3 GEMM at the FFN's shapes, ms."""
     from kernels import fp8_sparse
@@ -197,7 +157,6 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=16512)
     ap.add_argument("--max-ids", type=int, default=24)
     ap.add_argument("--pieces", action="store_true", help="also time kernels/fp8_sparse.py's passes")
-    ap.add_argument("--rows", action="store_true", help="also time rows_to_e4m3 at other settings and in one pass")
     ap.add_argument("--profile", default="", metavar="RECIPE",
                     help="also profile the srelu24 FFN fw+bw in float8 RECIPE, 2:4 GEMMs in e4m3 and in bf16")
     ap.add_argument("--out", type=Path, default=None)
@@ -218,10 +177,6 @@ def main() -> int:
         for t in args.tokens:
             for name, ms in pieces(t, args.d, args.hidden).items():
                 print(f"| {name} | {ms:.3f} ms |")
-    if args.rows:
-        for t in args.tokens:
-            for name, ms in rows_variants(t, args.hidden).items():
-                print(f"| {name} | {ms if isinstance(ms, str) else f'{ms:.3f} ms'} |")
     if args.profile:
         for sparse8 in (True, False):
             rows_p = profile_ffn(args.tokens[0], args.d, args.hidden, args.profile, sparse8)
