@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .cslt_layout import check_shape_e4m3, compressed_bytes_e4m3, decompress
 from .cusparselt import cached_mm, searched_alg
-from .fp8_cast import float8_bits, round_to_float8, scaled_cast
+from .fp8_cast import float8_bits, round_to_float8
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -53,11 +53,10 @@ def _pow2_scale(amax, nan_seen):
 
 
 @triton.jit
-def _rows_to_e4m3_kernel(x_ptr, out_ptr, scale_ptr, stride_x, C: tl.constexpr, BLOCK: tl.constexpr):
-    """Row r of x [M, C] (bf16): amax, its power-of-2 scale, and the row scaled and rounded to e4m3.
-    C is a constexpr (one compile per row length): TRITON_INTERPRET cannot loop to a runtime bound
-    under numpy >= 2.4."""
-    r = tl.program_id(0)
+def _row_to_e4m3(x_ptr, out_ptr, scale_ptr, r, stride_x, C: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of x [M, C] (bf16): amax, its power-of-2 scale, and the row scaled and rounded to e4m3
+    (out [M, C], one byte each). C is a constexpr (one compile per row length): TRITON_INTERPRET
+    cannot loop to a runtime bound under numpy >= 2.4."""
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     nan = tl.zeros([BLOCK], dtype=tl.int32)
     for c0 in range(0, C, BLOCK):
@@ -67,27 +66,15 @@ def _rows_to_e4m3_kernel(x_ptr, out_ptr, scale_ptr, stride_x, C: tl.constexpr, B
         nan = tl.maximum(nan, (v != v).to(tl.int32))
     s = _pow2_scale(tl.max(amax, 0), tl.max(nan, 0) > 0)
     tl.store(scale_ptr + r, s)
-    for c0 in range(0, C, BLOCK):
+    for c0 in range(0, C, BLOCK):  # the second read comes from cache (a one-pass variant was no faster: lab/LOG.md)
         c = c0 + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + r * stride_x + c, mask=c < C, other=0.0).to(tl.float32)
         tl.store(out_ptr + r * C + c, float8_bits(round_to_float8(v * s, False), False), mask=c < C)
 
 
 @triton.jit
-def _col_scales_kernel(b_ptr, scale_ptr, N, stride_k, stride_n, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """pow2_scale of the amax of each of BN columns of b [K, N] (bf16, any strides), in one launch
-    (vector_norm and pow2_scale's ~15 elementwise ops cost a launch each). K a constexpr, as in
-    _rows_to_e4m3_kernel."""
-    j = tl.program_id(0) * BN + tl.arange(0, BN)
-    amax = tl.zeros([BK, BN], dtype=tl.float32)
-    nan = tl.zeros([BK, BN], dtype=tl.int32)
-    for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
-                    other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-        nan = tl.maximum(nan, (v != v).to(tl.int32))
-    tl.store(scale_ptr + j, _pow2_scale(tl.max(amax, 0), tl.max(nan, 0) > 0), mask=j < N)
+def _rows_to_e4m3_kernel(x_ptr, out_ptr, scale_ptr, stride_x, C: tl.constexpr, BLOCK: tl.constexpr):
+    _row_to_e4m3(x_ptr, out_ptr, scale_ptr, tl.program_id(0), stride_x, C, BLOCK)
 
 
 @triton.jit
@@ -104,12 +91,13 @@ def _bf16_nibble(i):
 
 
 @triton.jit
-def _metadata_kernel(meta_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
-    """BLOCKS 512-byte blocks of e4m3 metadata, each from the 128 32-bit words (256 16-bit words) of
-    the two bf16 tiles it covers. Output byte j holds e4m3 nibbles 2j, 2j + 1; they differ only in
-    their group's lowest bit, which in the bf16 order is nibble bit 2: the 16-bit words s // 4 and
-    s // 4 + 1 (s = _bf16_nibble(2j), s // 4 even), so one 32-bit load fetches both."""
-    blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+def _metadata_blocks(meta_ptr, out_ptr, p, n_blocks, BLOCKS: tl.constexpr):
+    """Program p's BLOCKS 512-byte blocks of e4m3 metadata, each from the 128 32-bit words (256
+    16-bit words) of the two bf16 tiles it covers. Output byte j holds e4m3 nibbles 2j, 2j + 1;
+    they differ only in their group's lowest bit, which in the bf16 order is nibble bit 2: the
+    16-bit words s // 4 and s // 4 + 1 (s = _bf16_nibble(2j), s // 4 even), so one 32-bit load
+    fetches both."""
+    blk = p * BLOCKS + tl.arange(0, BLOCKS)[:, None]
     j = tl.arange(0, 512)
     s = _bf16_nibble(2 * j)[None, :]
     live = (blk < n_blocks) & (j[None, :] < 512)  # the last program's tail
@@ -119,10 +107,49 @@ def _metadata_kernel(meta_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
     tl.store(out_ptr + blk * 512 + j[None, :], (lo | (hi << 4)).to(tl.uint8), mask=live)
 
 
-# 512-byte blocks a program (the kernel takes any; tests run 1 and 8). On the H200 at the 7B and 1B
-# FFN's operands (8192-16512 x 8192-16512), 2 (4 warps) took 21 us, 1 took 25, 4 took 27, 8 took 43,
-# the table-loading kernel before it 36-37 (benchmarks/RESULTS.md)
+@triton.jit
+def _compressed_to_e4m3_kernel(x_ptr, meta_ptr, out_ptr, scale_ptr, M, n_blocks, C: tl.constexpr, BLOCK: tl.constexpr,
+                               BLOCKS: tl.constexpr):
+    """A bf16 compressed buffer as an e4m3 one in one launch (each launch costs the host 20-27 us):
+    programs 0..M-1 convert the value rows (x [M, C], C = k/2, into out's first M*C bytes),
+    the rest the metadata (meta_ptr: the buffer's metadata as 32-bit words; into out after the values)."""
+    p = tl.program_id(0)
+    if p < M:
+        _row_to_e4m3(x_ptr, out_ptr, scale_ptr, p, C, C, BLOCK)
+    else:
+        _metadata_blocks(meta_ptr, out_ptr + M * C, p - M, n_blocks, BLOCKS)
+
+
+# 512-byte metadata blocks a program. On the H200 at the 7B and 1B FFN's operands (8192-16512 x
+# 8192-16512), 2 (4 warps) took 21 us, 1 took 25, 4 took 27, 8 took 43, the table-loading kernel
+# before it 36-37 (benchmarks/RESULTS.md; timed as a kernel of its own, before it joined the rows')
 METADATA_BLOCKS = 2
+
+
+@triton.jit
+def _columns_to_e4m3_kernel(b_ptr, out_ptr, scale_ptr, N, stride_k, stride_n, K: tl.constexpr, BK: tl.constexpr,
+                            BN: tl.constexpr):
+    """BN columns of b [K, N] (bf16, any strides): each column's amax and power-of-2 scale, then the
+    columns scaled, rounded to e4m3 and written as rows of out [N, K] (B K-major). One launch for
+    what was a scale kernel and a cast kernel; the columns' second read comes from cache. K a
+    constexpr, as in _row_to_e4m3."""
+    j = tl.program_id(0) * BN + tl.arange(0, BN)
+    amax = tl.zeros([BK, BN], dtype=tl.float32)
+    nan = tl.zeros([BK, BN], dtype=tl.int32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
+                    other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+        nan = tl.maximum(nan, (v != v).to(tl.int32))
+    s = _pow2_scale(tl.max(amax, 0), tl.max(nan, 0) > 0)
+    tl.store(scale_ptr + j, s, mask=j < N)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
+                    other=0.0).to(tl.float32)
+        q = float8_bits(round_to_float8(v * s[None, :], False), False)
+        tl.store(out_ptr + j[:, None] * K + k[None, :], tl.trans(q), mask=(j[:, None] < N) & (k[None, :] < K))
 
 
 def rows_to_e4m3_reference(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -131,13 +158,12 @@ def rows_to_e4m3_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     return (x.float() * s[:, None]).to(E4M3), s
 
 
-def rows_to_e4m3(x: Tensor, out: Tensor = None) -> tuple[Tensor, Tensor]:
-    """rows_to_e4m3_reference in one Triton pass over x's rows (each read twice, the second from cache).
-    out: where to write the e4m3 rows (a contiguous [M, C] view), else a new tensor."""
+def rows_to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
+    """rows_to_e4m3_reference in one Triton pass over x's rows (each read twice, the second from cache)."""
     m, c = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"rows_to_e4m3 needs rows of consecutive elements, got strides {x.stride()}")
-    out = torch.empty(m, c, dtype=E4M3, device=x.device) if out is None else out
+    out = torch.empty(m, c, dtype=E4M3, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         _rows_to_e4m3_kernel[(m,)](x, out.view(torch.uint8), scale, x.stride(0), C=c, BLOCK=1024, num_warps=4)
@@ -146,37 +172,34 @@ def rows_to_e4m3(x: Tensor, out: Tensor = None) -> tuple[Tensor, Tensor]:
 
 def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
     """A bf16 compressed 2:4 buffer of an [m, k] matrix (kernels/cslt_layout.py) as an e4m3 one
-    (float8_e4m3fn [m, 5k/8]) and its row scales [m]: the e4m3 matrix is the bf16 one times its scales."""
+    (float8_e4m3fn [m, 5k/8]) and its row scales [m]: the e4m3 matrix is the bf16 one times its
+    scales. Values and metadata in one launch."""
     check_shape_e4m3(m, k)
-    flat = buf.reshape(-1)
+    flat = buf.reshape(-1)  # values [m, k/2], then the metadata: at m * k bytes, 4-byte aligned
     out = torch.empty(compressed_bytes_e4m3(m, k), dtype=torch.uint8, device=buf.device)
-    _, scale = rows_to_e4m3(flat[: m * k // 2].view(m, k // 2), out[: m * k // 2].view(E4M3).view(m, k // 2))
-    meta = flat[m * k // 2:].view(torch.int32)  # m * k bytes in: 4-byte aligned
+    scale = torch.empty(m, dtype=torch.float32, device=buf.device)
     n_blocks = m * k // 4096
-    _metadata_kernel[(triton.cdiv(n_blocks, METADATA_BLOCKS),)](meta, out[m * k // 2:], n_blocks, BLOCKS=METADATA_BLOCKS,
-                                                                num_warps=4)
+    meta = flat.view(torch.int32)[m * k // 4:]
+    _compressed_to_e4m3_kernel[(m + triton.cdiv(n_blocks, METADATA_BLOCKS),)](
+        flat, meta, out, scale, m, n_blocks, C=k // 2, BLOCK=1024, BLOCKS=METADATA_BLOCKS, num_warps=4)
     return out.view(E4M3).view(m, -1), scale
 
 
 def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
     """B [K, N] (bf16) as e4m3 with a power-of-2 scale per column: (its [K, N] view of a K-major
-    [N, K] tensor, the scales [N])."""
+    [N, K] tensor, the scales [N]), in one launch."""
     if b.t().is_contiguous():  # the transpose of a row-major [N, K]: its rows are B's columns
         q, s = rows_to_e4m3(b.t())
         return q.t(), s
-    s = column_scales(b)
-    return scaled_cast(b, s[None, :], E4M3, transpose=True).t(), s
-
-
-def column_scales(b: Tensor) -> Tensor:
-    """pow2_scale(b.float().abs().amax(0)) for b [K, N] (bf16, any strides), in one Triton launch.
-    16 columns (32-byte rows) a program and 512 rows a step: the fastest tried on the H200 (26-64 us
-    at K 8192-16384, N 512-4096, where 128 columns a program took 5-10x longer)."""
     k, n = b.shape
+    out = torch.empty(n, k, dtype=E4M3, device=b.device)
     s = torch.empty(n, dtype=torch.float32, device=b.device)
     if n:
-        _col_scales_kernel[(triton.cdiv(n, 16),)](b, s, n, b.stride(0), b.stride(1), K=k, BK=512, BN=16, num_warps=8)
-    return s
+        # 16 columns (32-byte rows) a program and 512 rows a step: the fastest for the scales alone on
+        # the H200 (26-64 us at K 8192-16384, N 512-4096; 128 columns a program took 5-10x longer)
+        _columns_to_e4m3_kernel[(triton.cdiv(n, 16),)](b, out.view(torch.uint8), s, n, b.stride(0), b.stride(1), K=k,
+                                                       BK=512, BN=16, num_warps=8)
+    return out.t(), s
 
 
 def kmajor_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:

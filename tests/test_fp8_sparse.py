@@ -3,7 +3,6 @@ PyTorch references bit for bit (CPU: TRITON_INTERPRET), the power-of-2 scales, a
 e4m3 product against its fp32 reference and the FFN's gradients against bf16."""
 import pytest
 import torch
-import triton
 
 from kernels import fp8_sparse
 from kernels.cslt_layout import compress, compress_e4m3, decompress_e4m3, e4m3_metadata
@@ -86,13 +85,15 @@ def test_compressed_to_e4m3_is_the_e4m3_compression_of_the_scaled_matrix(m, k, b
 
 @pytest.mark.parametrize("blocks", [1, 8])
 @pytest.mark.parametrize("m, k", [(64, 64), (192, 448), (128, 512)])  # 1, 21 and 16 blocks
-def test_the_metadata_kernel_is_e4m3_metadata_on_any_words(m, k, blocks):
+def test_the_metadata_conversion_is_e4m3_metadata_on_any_words(m, k, blocks, monkeypatch):
+    """Every nibble, not only the six 2:4 patterns: random words behind random values."""
+    monkeypatch.setattr(fp8_sparse, "METADATA_BLOCKS", blocks)
     g = torch.Generator().manual_seed(m + k)
     words = torch.randint(-32768, 32768, (m * k // 16,), generator=g, dtype=torch.int32).to(torch.int16)
-    n_blocks, out = m * k // 4096, torch.full((m * k // 8,), 0xAA, dtype=torch.uint8, device=DEV)
-    fp8_sparse._metadata_kernel[(triton.cdiv(n_blocks, blocks),)](words.to(DEV).view(torch.int32), out, n_blocks,
-                                                                  BLOCKS=blocks)
-    assert torch.equal(out.cpu(), e4m3_metadata(words, m, k))
+    values = torch.randn(m * k // 2, generator=g).bfloat16()
+    buf = torch.cat([values, words.view(torch.bfloat16)]).view(m, -1)
+    out, _ = fp8_sparse.compressed_to_e4m3(buf.to(DEV), m, k)
+    assert torch.equal(out.cpu().view(torch.uint8).reshape(-1)[m * k // 2:], e4m3_metadata(words, m, k))
 
 
 def _b_of_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -146,14 +147,14 @@ def _bits(s: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("k, n", [(64, 64), (100, 70), (257, 200), (1100, 40)])  # 1100: three 512-row steps
 @pytest.mark.parametrize("layout", ["transposed", "row-major", "strided"])
-def test_column_scales_are_pow2_scale_of_the_column_amaxes(k, n, layout):
+def test_kmajor_scales_are_pow2_scale_of_the_column_amaxes(k, n, layout):
     cols = _special_columns(k, n, k + n)
     if k > 1024:  # the amaxes and a NaN in the last, partial step
         cols[1090, 10], cols[1050, 11], cols[1099, 12] = 1e30, float("nan"), -2.5e3
     b = _on_dev(cols, layout)
     want = fp8_sparse.pow2_scale(b.cpu().float().abs().amax(0))
     assert want[1:4].isnan().all()
-    assert torch.equal(_bits(fp8_sparse.column_scales(b)), _bits(want))
+    assert torch.equal(_bits(fp8_sparse.kmajor_e4m3(b)[1]), _bits(want))
 
 
 @pytest.mark.parametrize("layout", ["row-major", "strided"])

@@ -24,10 +24,12 @@ kernels = [(f"scaled_cast e5m2={e5} scale={sc} transpose={tr}", fp8_cast._scaled
 kernels += [
     ("rows_to_e4m3", fp8_sparse._rows_to_e4m3_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32",
      "stride_x": "i32", "C": "constexpr", "BLOCK": "constexpr"}, {"C": 8256, "BLOCK": 1024}),
-    ("col_scales", fp8_sparse._col_scales_kernel, {"b_ptr": "*bf16", "scale_ptr": "*fp32", "N": "i32", "stride_k": "i32",
-     "stride_n": "i32", "K": "constexpr", "BK": "constexpr", "BN": "constexpr"}, {"K": 16384, "BK": 512, "BN": 16}, {"num_warps": 8}),  # as column_scales launches it
-    *[(f"metadata blocks={n}", fp8_sparse._metadata_kernel, {"meta_ptr": "*i32", "out_ptr": "*u8",
-       "n_blocks": "i32", "BLOCKS": "constexpr"}, {"BLOCKS": n}) for n in (1, 8)],
+    ("columns_to_e4m3", fp8_sparse._columns_to_e4m3_kernel, {"b_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32",
+     "N": "i32", "stride_k": "i32", "stride_n": "i32", "K": "constexpr", "BK": "constexpr", "BN": "constexpr"},
+     {"K": 16384, "BK": 512, "BN": 16}, {"num_warps": 8}),  # as kmajor_e4m3 launches it
+    *[(f"compressed_to_e4m3 blocks={n}", fp8_sparse._compressed_to_e4m3_kernel, {"x_ptr": "*bf16", "meta_ptr": "*i32",
+       "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "n_blocks": "i32", "C": "constexpr", "BLOCK": "constexpr",
+       "BLOCKS": "constexpr"}, {"C": 8256, "BLOCK": 1024, "BLOCKS": n}) for n in (1, 2, 8)],
     ("unscale", fp8_sparse._unscale_kernel, {"y_ptr": "*bf16", "sr_ptr": "*fp32", "sc_ptr": "*fp32", "M": "i32",
      "N": "i32", "BM": "constexpr", "BN": "constexpr"}, {"BM": 32, "BN": 128}),
     *[(f"amax_to_scale fmax={fmax} pow2={pow2}", fp8_gemm._amax_to_scale_kernel, {"amax_ptr": "*bf16", "scale_ptr": "*fp32",
@@ -48,4 +50,4 @@ def test_float8_kernels_compile_for_sm90(tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 20
+    assert r.stdout.count("compiled") == 21
