@@ -120,7 +120,7 @@ def _compressed_to_e4m3_kernel(x_ptr, meta_ptr, out_ptr, scale_ptr, M, n_blocks,
         _metadata_blocks(meta_ptr, out_ptr + M * C, p - M, n_blocks, BLOCKS)
 
 
-# 512-byte metadata blocks a program. On the H200 at the 7B and 1B FFN's operands (8192-16512 x
+# 512-byte metadata blocks a program (a power of 2: a tl.arange). On the H200 at the 7B and 1B FFN's operands (8192-16512 x
 # 8192-16512), 2 (4 warps) took 21 us, 1 took 25, 4 took 27, 8 took 43, the table-loading kernel
 # before it 36-37 (benchmarks/RESULTS.md; timed as a kernel of its own, before it joined the rows')
 METADATA_BLOCKS = 2
@@ -176,6 +176,8 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
     scales. Values and metadata in one launch."""
     check_shape_e4m3(m, k)
     flat = buf.reshape(-1)  # values [m, k/2], then the metadata: at m * k bytes, 4-byte aligned
+    if flat.storage_offset() % 2:  # the metadata is read as 32-bit words
+        flat = flat.clone()
     out = torch.empty(compressed_bytes_e4m3(m, k), dtype=torch.uint8, device=buf.device)
     scale = torch.empty(m, dtype=torch.float32, device=buf.device)
     n_blocks = m * k // 4096
