@@ -108,22 +108,31 @@ def _metadata_blocks(meta_ptr, out_ptr, p, n_blocks, BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def _compressed_to_e4m3_kernel(x_ptr, meta_ptr, out_ptr, scale_ptr, M, n_blocks, C: tl.constexpr, BLOCK: tl.constexpr,
+def _compressed_to_e4m3_kernel(x_ptr, words_ptr, out_ptr, scale_ptr, M, n_blocks, C: tl.constexpr, BLOCK: tl.constexpr,
                                BLOCKS: tl.constexpr):
     """A bf16 compressed buffer as an e4m3 one in one launch (each launch costs the host 20-27 us):
     programs 0..M-1 convert the value rows (x [M, C], C = k/2, into out's first M*C bytes),
-    the rest the metadata (meta_ptr: the buffer's metadata as 32-bit words; into out after the values)."""
+    the rest the metadata (words_ptr: the whole buffer as 32-bit words, the metadata after the
+    values' M*C/2; into out after the values)."""
     p = tl.program_id(0)
     if p < M:
         _row_to_e4m3(x_ptr, out_ptr, scale_ptr, p, C, C, BLOCK)
     else:
-        _metadata_blocks(meta_ptr, out_ptr + M * C, p - M, n_blocks, BLOCKS)
+        _metadata_blocks(words_ptr + M * C // 2, out_ptr + M * C, p - M, n_blocks, BLOCKS)
 
 
-# 512-byte metadata blocks a program (a power of 2: a tl.arange). On the H200 at the 7B and 1B FFN's operands (8192-16512 x
-# 8192-16512), 2 (4 warps) took 21 us, 1 took 25, 4 took 27, 8 took 43, the table-loading kernel
-# before it 36-37 (benchmarks/RESULTS.md; timed as a kernel of its own, before it joined the rows')
+# 512-byte metadata blocks a program (a power of 2: a tl.arange). On the H200 at the 7B and 1B
+# FFN's operands (8192-16512 x 8192-16512), 2 (4 warps) took 21 us, 1 took 25, 4 took 27, 8 took 43,
+# the table-loading kernel before it 36-37 (benchmarks/RESULTS.md; timed as a kernel of its own,
+# before it joined the rows')
 METADATA_BLOCKS = 2
+
+
+@triton.jit
+def _column_tile(b_ptr, k, j, K, N, stride_k, stride_n):
+    """b[k, j] for the rows k and columns j given (zeros outside b), in float32."""
+    return tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -138,16 +147,14 @@ def _columns_to_e4m3_kernel(b_ptr, out_ptr, scale_ptr, N, stride_k, stride_n, K:
     nan = tl.zeros([BK, BN], dtype=tl.int32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
-                    other=0.0).to(tl.float32)
+        v = _column_tile(b_ptr, k, j, K, N, stride_k, stride_n)
         amax = tl.maximum(amax, tl.abs(v))
         nan = tl.maximum(nan, (v != v).to(tl.int32))
     s = _pow2_scale(tl.max(amax, 0), tl.max(nan, 0) > 0)
     tl.store(scale_ptr + j, s, mask=j < N)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
-                    other=0.0).to(tl.float32)
+        v = _column_tile(b_ptr, k, j, K, N, stride_k, stride_n)
         q = float8_bits(round_to_float8(v * s[None, :], False), False)
         tl.store(out_ptr + j[:, None] * K + k[None, :], tl.trans(q), mask=(j[:, None] < N) & (k[None, :] < K))
 
@@ -181,9 +188,8 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
     out = torch.empty(compressed_bytes_e4m3(m, k), dtype=torch.uint8, device=buf.device)
     scale = torch.empty(m, dtype=torch.float32, device=buf.device)
     n_blocks = m * k // 4096
-    meta = flat.view(torch.int32)[m * k // 4:]
     _compressed_to_e4m3_kernel[(m + triton.cdiv(n_blocks, METADATA_BLOCKS),)](
-        flat, meta, out, scale, m, n_blocks, C=k // 2, BLOCK=1024, BLOCKS=METADATA_BLOCKS, num_warps=4)
+        flat, flat.view(torch.int32), out, scale, m, n_blocks, C=k // 2, BLOCK=1024, BLOCKS=METADATA_BLOCKS, num_warps=4)
     return out.view(E4M3).view(m, -1), scale
 
 
