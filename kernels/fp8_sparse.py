@@ -128,6 +128,12 @@ def _compressed_to_e4m3_kernel(x_ptr, words_ptr, out_ptr, scale_ptr, M, n_blocks
 METADATA_BLOCKS = 2
 
 
+# _columns_to_e4m3_kernel's tile: BN columns a program, BK rows a step. 16 x 512 with 8 warps was the
+# fastest for the column scales alone on the H200 (26-64 us at K 8192-16384, N 512-4096; 128 columns
+# a program took 5-10x longer)
+COLUMN_BN, COLUMN_BK, COLUMN_WARPS = 16, 512, 8
+
+
 @triton.jit
 def _column_tile(b_ptr, k, j, K, N, stride_k, stride_n):
     """b[k, j] for the rows k and columns j given (zeros outside b), in float32."""
@@ -203,10 +209,8 @@ def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
     out = torch.empty(n, k, dtype=E4M3, device=b.device)
     s = torch.empty(n, dtype=torch.float32, device=b.device)
     if n:
-        # 16 columns (32-byte rows) a program and 512 rows a step: the fastest for the scales alone on
-        # the H200 (26-64 us at K 8192-16384, N 512-4096; 128 columns a program took 5-10x longer)
-        _columns_to_e4m3_kernel[(triton.cdiv(n, 16),)](b, out.view(torch.uint8), s, n, b.stride(0), b.stride(1), K=k,
-                                                       BK=512, BN=16, num_warps=8)
+        _columns_to_e4m3_kernel[(triton.cdiv(n, COLUMN_BN),)](b, out.view(torch.uint8), s, n, b.stride(0), b.stride(1),
+                                                              K=k, BK=COLUMN_BK, BN=COLUMN_BN, num_warps=COLUMN_WARPS)
     return out.t(), s
 
 
