@@ -129,8 +129,8 @@ METADATA_BLOCKS = 2
 
 
 # _columns_to_e4m3_kernel's tile: BN columns a program, BK rows a step. 16 x 512 with 8 warps was the
-# fastest for the column scales alone on the H200 (26-64 us at K 8192-16384, N 512-4096; 128 columns
-# a program took 5-10x longer)
+# fastest of 12 settings (BN 16/32, BK 256-1024, 4/8 warps) on the H200 at the FFN's row-major B
+# operands, 8192-16512 x 4096 (benchmarks/RESULTS.md, session 13)
 COLUMN_BN, COLUMN_BK, COLUMN_WARPS = 16, 512, 8
 
 

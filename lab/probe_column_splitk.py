@@ -12,7 +12,6 @@ median) and host us per call (tiny operands) of both.
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -24,6 +23,7 @@ import triton.language as tl  # noqa: E402
 from kernels import fp8_sparse  # noqa: E402
 from kernels.fp8_cast import float8_bits, round_to_float8  # noqa: E402
 from kernels.fp8_sparse import E4M3, _column_tile, _pow2_scale  # noqa: E402
+from scripts.bench_ffn import host_ms  # noqa: E402
 
 NAN_BITS = 0x7FC00000  # above every finite or infinite non-negative float's bits as an int32
 
@@ -84,18 +84,6 @@ def same(x, y) -> bool:
     return torch.equal(x[0].view(torch.uint8), y[0].view(torch.uint8)) and torch.equal(x[1], y[1])
 
 
-def host_us(f, calls: int = 1000) -> float:
-    for _ in range(20):
-        f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        f()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["16512x4096", "16384x4096", "8192x4096"])
@@ -107,8 +95,8 @@ def main() -> int:
     from triton.testing import do_bench
 
     tiny = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
-    print(f"host us per call: shipped {host_us(lambda: fp8_sparse.kmajor_e4m3(tiny)):.1f}, "
-          f"split-K {host_us(lambda: kmajor_e4m3_splitk(tiny)):.1f}")
+    print(f"host us per call: shipped {host_ms(lambda: fp8_sparse.kmajor_e4m3(tiny), 1000) * 1e3:.1f}, "
+          f"split-K {host_ms(lambda: kmajor_e4m3_splitk(tiny), 1000) * 1e3:.1f}")
     print("| K x N | shipped us | " + " | ".join(f"split-K, KS {ks} us" for ks in args.ks) + " |")
     print("|---" * (2 + len(args.ks)) + "|")
     for shape in args.shapes:

@@ -26,7 +26,8 @@ kernels += [
      "stride_x": "i32", "C": "constexpr", "BLOCK": "constexpr"}, {"C": 8256, "BLOCK": 1024}),
     ("columns_to_e4m3", fp8_sparse._columns_to_e4m3_kernel, {"b_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32",
      "N": "i32", "stride_k": "i32", "stride_n": "i32", "K": "constexpr", "BK": "constexpr", "BN": "constexpr"},
-     {"K": 16384, "BK": 512, "BN": 16}, {"num_warps": 8}),  # as kmajor_e4m3 launches it
+     {"K": 16384, "BK": fp8_sparse.COLUMN_BK, "BN": fp8_sparse.COLUMN_BN},
+     {"num_warps": fp8_sparse.COLUMN_WARPS}),  # as kmajor_e4m3 launches it
     *[(f"compressed_to_e4m3 blocks={n}", fp8_sparse._compressed_to_e4m3_kernel, {"x_ptr": "*bf16", "words_ptr": "*i32",
        "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "n_blocks": "i32", "C": "constexpr", "BLOCK": "constexpr",
        "BLOCKS": "constexpr"}, {"C": 8256, "BLOCK": 1024, "BLOCKS": n}) for n in (1, 2, 8)],
