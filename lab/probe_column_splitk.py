@@ -25,7 +25,7 @@ from kernels.fp8_cast import float8_bits, round_to_float8  # noqa: E402
 from kernels.fp8_sparse import E4M3, _column_tile, _pow2_scale  # noqa: E402
 from scripts.bench_ffn import host_ms  # noqa: E402
 
-NAN_BITS = 0x7FC00000  # above every finite or infinite non-negative float's bits as an int32
+NAN_BITS = tl.constexpr(0x7FC00000)  # a constexpr: jit code reads no plain globals; above every finite or infinite non-negative float's bits as an int32
 
 
 @triton.jit

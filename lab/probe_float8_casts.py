@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 # name -> (environment, inductor config set in the process)
 SETTINGS = {
     "default": ({}, {}),
+    "nd": ({}, {"triton.prefer_nd_tiling": True}),
     "coordesc": ({"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}, {}),
     "coordesc+pointwise": ({"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1", "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1"}, {}),
     "coordesc+pointwise+nd": ({"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1", "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1"},
@@ -127,7 +128,8 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=11008)
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # the child process: one setting
-    ap.add_argument("--recipes", default="rowwise")
+    ap.add_argument("--recipes", default="rowwise", help="the recipes of every setting after the first "
+                    "(the first runs none, tensorwise and rowwise)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.one:
@@ -147,7 +149,7 @@ def main() -> int:
     results = {}
     for i, name in enumerate(names):
         # bf16 and tensorwise once, under the default setting, as the yardsticks
-        recipes = "none,tensorwise,rowwise" if i == 0 else "rowwise"
+        recipes = "none,tensorwise,rowwise" if i == 0 else args.recipes
         env = dict(os.environ, **SETTINGS[name][0], TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor_"))
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--one", name, "--recipes", recipes, "--tokens", str(args.tokens),
