@@ -69,6 +69,18 @@ def test_every_block_linear_converts_and_the_output_head_stays_bf16(kind, recipe
         [recipe.value] * TINY.n_layers if kind == "srelu24" else [None] * TINY.n_layers)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_rowwise_sets_inductors_cast_settings_and_tensorwise_leaves_them(recipe):
+    """rowwise: eager's rounding in compiled casts and N-D tiling for their transposed copies
+    (benchmarks/RESULTS.md, session 14); tensorwise gained nothing from the tiling and keeps the defaults."""
+    import torch._inductor.config as ic
+
+    with ic.patch({"emulate_precision_casts": False, "triton.prefer_nd_tiling": False}):
+        float8.convert(meta_model("swiglu"), recipe, fsdp=False)
+        rowwise = recipe == Float8.rowwise
+        assert (ic.emulate_precision_casts, ic.triton.prefer_nd_tiling) == (rowwise, rowwise)
+
+
 def test_linears_with_a_dim_not_divisible_by_16_stay_bf16():
     """dim 40: attention (40 x 40) and the FFN's inputs/outputs (40 x 128) do not convert; srelu24
     then keeps its op's dense GEMMs in bf16 too."""

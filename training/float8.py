@@ -30,7 +30,10 @@ first, then activation checkpointing, torch.compile, sharding; then materialisat
 
 Needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, later): elsewhere `check`
 raises ConfigError naming the setting. torch.compile (trainer.compile) fuses the casts into the
-surrounding kernels; without it float8 is correct but slower.
+surrounding kernels; without it float8 is correct but slower. Under rowwise, `convert` also sets
+two of inductor's options for the whole process: emulate_precision_casts (compiled casts round as
+eager's, as torchtitan sets it) and triton.prefer_nd_tiling (the casts' transposed copies tiled in
+2-D: the same bits, the swiglu 7B step 1.09x -> 1.17x of bf16; benchmarks/RESULTS.md, session 14).
 """
 import os
 
@@ -83,9 +86,9 @@ def convert(model: nn.Module, recipe: Float8, fsdp: bool) -> None:
 
         # as torchtitan does: inductor's float8 casts round as eager's (pytorch/pytorch#150859)
         torch._inductor.config.emulate_precision_casts = True
-        # rowwise casts X, W and dY along both axes and writes half of them transposed; with N-D
-        # tiling inductor tiles those copies well: the same bits, the 7B step 1.07x faster
-        # (benchmarks/RESULTS.md, session 14). No gain for bf16 or tensorwise, so only here.
+        # rowwise casts X, W and dY along both axes and writes half of the casts transposed; N-D
+        # tiling tiles those copies well (same bits, 7B step 7% faster). bf16's step and
+        # tensorwise's casts (lab/probe_float8_casts.py) gained nothing from it, so only here.
         torch._inductor.config.triton.prefer_nd_tiling = True
     srelu24 = {name: m for name, m in model.named_modules() if isinstance(m, SReLU24)}
     for name, m in srelu24.items():
