@@ -153,6 +153,8 @@ def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=No
     r.update({f"fwbw_{v}_ms": bench(run) for v, run in runs.items()})
     for v in ("srelu24_float8_bf16_sparse", "srelu24_float8_e4m3_sparse"):
         r[f"{v}_vs_dense_float8"] = r["fwbw_dense_float8_ms"] / r[f"fwbw_{v}_ms"]
+    for v in ("dense_float8", "srelu24_float8_e4m3_sparse"):  # where each spends its GPU time
+        r[f"kernel_ms_{v}"], r[f"top_kernels_{v}"] = kernel_ms(runs[v])
     return r
 
 
@@ -487,6 +489,11 @@ def main() -> int:
             print(f"| {r['shape']} | {r['T']} | {r['fwbw_dense_bf16_ms']:.3f} | {r['fwbw_dense_float8_ms']:.3f} "
                   f"| {r['fwbw_srelu24_float8_bf16_sparse_ms']:.3f} | {r['fwbw_srelu24_float8_e4m3_sparse_ms']:.3f} "
                   f"| {r['srelu24_float8_e4m3_sparse_vs_dense_float8']:.2f}x |")
+        for r in f8:
+            for v in ("dense_float8", "srelu24_float8_e4m3_sparse"):
+                print(f"\n{v} ({r['shape']}, T={r['T']}): kernels {r[f'kernel_ms_{v}']:.3f} ms per fw+bw; the costliest:")
+                for k, t in r[f"top_kernels_{v}"]:
+                    print(f"  {t:8.3f}  {k}")
     for r in fb:
         if r.get("clocks"):
             print(f"\nclocks while each fw+bw runs back to back ({r['shape']}, T={r['T']}; nvidia-smi medians)")
