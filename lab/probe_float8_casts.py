@@ -58,9 +58,10 @@ def run_one(setting: str, recipes: list[str], tokens: int, d: int, h: int) -> di
     from training.config import Float8
     from training.float8 import convert
 
+    from lab.with_inductor import set_option
+
     for key, value in SETTINGS[setting][1].items():
-        obj, _, attr = key.rpartition(".")
-        setattr(getattr(ic, obj) if obj else ic, attr, value)
+        set_option(key, value)
     out = {}
     for recipe in recipes:
         for name, t, k, n, count in shapes(tokens, d, h):

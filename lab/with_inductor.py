@@ -10,13 +10,20 @@ import sys
 from pathlib import Path
 
 
-def parse(value: str):
-    for cast in (int,):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
+def set_option(key: str, value) -> bool:
+    """torch._inductor.config.KEY = value (KEY dotted, e.g. triton.prefer_nd_tiling; a string value
+    is read as an int, or as 0/1 for a boolean option). False where inductor has no such option."""
+    import torch._inductor.config as config
+
+    obj, _, attr = key.rpartition(".")
+    target = getattr(config, obj) if obj else config
+    if not hasattr(target, attr):
+        return False
+    if isinstance(value, str):
+        value = int(value) if value.lstrip("-").isdigit() else value
+        value = bool(value) if isinstance(getattr(target, attr), bool) else value
+    setattr(target, attr, value)
+    return True
 
 
 def main() -> int:
@@ -24,18 +31,12 @@ def main() -> int:
         print("usage: python lab/with_inductor.py KEY=VALUE ... -- SCRIPT [ARGS]", file=sys.stderr)
         return 2
     cut = sys.argv.index("--")
-    import torch._inductor.config as config
-
     for item in sys.argv[1:cut]:
         key, _, value = item.partition("=")
-        obj, _, attr = key.rpartition(".")
-        target = getattr(config, obj) if obj else config
-        if not hasattr(target, attr):
+        if not set_option(key, value):
             print(f"error: torch._inductor.config has no {key}", file=sys.stderr)
             return 2
-        old = getattr(target, attr)
-        setattr(target, attr, bool(parse(value)) if isinstance(old, bool) else parse(value))
-        print(f"inductor: {key} = {getattr(target, attr)!r}", file=sys.stderr)
+        print(f"inductor: {key} = {value}", file=sys.stderr)
     script = sys.argv[cut + 1]
     sys.argv = sys.argv[cut + 1:]
     sys.path.insert(0, str(Path(script).resolve().parent))
