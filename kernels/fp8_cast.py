@@ -5,8 +5,9 @@ would spend six passes on `(t.float() * scale).clamp(-max, max).to(dtype)` (prof
 
 `scaled_cast(t, scale, dtype, transpose)` equals that expression bit for bit (tests/test_fp8_cast.py),
 for one scale, one per row or one per column; `transpose` writes the result transposed (K-major
-operands). The rounding to e4m3/e5m2 is done on the bits (ties to even), so that TRITON_INTERPRET,
-whose own float8 cast rounds wrongly, gives the GPU's bytes.
+operands). `to_float8_bits` rounds (ties to even) with the GPU's conversion instruction; under
+TRITON_INTERPRET, whose own float8 cast rounds wrongly, it rounds on the bits instead, which gives
+the same bytes.
 """
 import torch
 import triton
@@ -42,6 +43,23 @@ def float8_bits(q, E5M2: tl.constexpr):
     return tl.where(q != q, tl.full(q.shape, 0x7F, tl.uint8), b)
 
 
+# Compiled kernels convert with the GPU's cvt.rn.satfinite (sm89+: two values an instruction, ties
+# to even, as torch's cast within the format's range); the bit-level rounding above costs about 20
+# instructions a value and made the e4m3 conversions instruction-bound (benchmarks/RESULTS.md,
+# session 15). Read once, at import: tests/conftest.py sets TRITON_INTERPRET before that.
+NATIVE_CVT = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def to_float8_bits(x, E5M2: tl.constexpr):
+    """fp32 x, within the format's range or NaN, as float8 bytes (uint8), rounded to nearest even;
+    NaN as 0x7F. Callers clamp or scale into range (cvt's saturation is never reached)."""
+    if NATIVE_CVT:
+        b = (x.to(tl.float8e5) if E5M2 else x.to(tl.float8e4nv)).to(tl.uint8, bitcast=True)
+        return tl.where(x != x, tl.full(x.shape, 0x7F, tl.uint8), b)
+    return float8_bits(round_to_float8(x, E5M2), E5M2)
+
+
 @triton.jit
 def _scaled_cast_kernel(x_ptr, s_ptr, out_ptr, M, N, stride_m, stride_n, SCALE: tl.constexpr,
                         TRANSPOSE: tl.constexpr, E5M2: tl.constexpr, FMAX: tl.constexpr,
@@ -59,7 +77,7 @@ def _scaled_cast_kernel(x_ptr, s_ptr, out_ptr, M, N, stride_m, stride_n, SCALE: 
     else:
         y = x * tl.load(s_ptr + j, mask=j < N, other=1.0)[None, :]
     # NaN must survive (the trainer's non-finite check sees it); Triton's min/max drop it by default
-    q = float8_bits(round_to_float8(tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), E5M2), E5M2)
+    q = to_float8_bits(tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), E5M2)
     if TRANSPOSE:
         tl.store(out_ptr + j[:, None] * M + i[None, :], tl.trans(q), mask=(j[:, None] < N) & (i[None, :] < M))
     else:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .cslt_layout import check_shape_e4m3, compressed_bytes_e4m3, decompress
 from .cusparselt import cached_mm, searched_alg
-from .fp8_cast import float8_bits, round_to_float8
+from .fp8_cast import to_float8_bits
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -69,7 +69,7 @@ def _row_to_e4m3(x_ptr, out_ptr, scale_ptr, r, stride_x, C: tl.constexpr, BLOCK:
     for c0 in range(0, C, BLOCK):  # the second read comes from cache (a one-pass variant was no faster: lab/LOG.md)
         c = c0 + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + r * stride_x + c, mask=c < C, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * C + c, float8_bits(round_to_float8(v * s, False), False), mask=c < C)
+        tl.store(out_ptr + r * C + c, to_float8_bits(v * s, False), mask=c < C)
 
 
 @triton.jit
@@ -161,7 +161,7 @@ def _columns_to_e4m3_kernel(b_ptr, out_ptr, scale_ptr, N, stride_k, stride_n, K:
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
         v = _column_tile(b_ptr, k, j, K, N, stride_k, stride_n)
-        q = float8_bits(round_to_float8(v * s[None, :], False), False)
+        q = to_float8_bits(v * s[None, :], False)
         tl.store(out_ptr + j[:, None] * K + k[None, :], tl.trans(q), mask=(j[:, None] < N) & (k[None, :] < K))
 
 

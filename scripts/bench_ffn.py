@@ -154,7 +154,7 @@ def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=No
     for v in ("srelu24_float8_bf16_sparse", "srelu24_float8_e4m3_sparse"):
         r[f"{v}_vs_dense_float8"] = r["fwbw_dense_float8_ms"] / r[f"fwbw_{v}_ms"]
     for v in ("dense_float8", "srelu24_float8_e4m3_sparse"):  # where each spends its GPU time
-        r[f"kernel_ms_{v}"], r[f"top_kernels_{v}"] = kernel_ms(runs[v])
+        r[f"kernel_ms_{v}"], r[f"top_kernels_{v}"] = kernel_ms(runs[v], top=24)
     return r
 
 
@@ -256,9 +256,10 @@ def host_ms(fn, n: int = 50) -> float:
     return (t1 - t0) / n * 1e3
 
 
-def kernel_ms(fn, n: int = 5) -> tuple[float, list]:
-    """GPU kernel time per call (sum over kernels, torch.profiler) and the 8 costliest kernels:
-    against the do_bench time of the same call, the gap is the GPU idling on the host."""
+def kernel_ms(fn, n: int = 5, top: int = 8) -> tuple[float, list]:
+    """GPU kernel time per call (sum over kernels, torch.profiler) and the `top` costliest kernels
+    (name, ms and launches per call): against the do_bench time of the same call, the gap is the
+    GPU idling between kernels or on the host."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -267,10 +268,10 @@ def kernel_ms(fn, n: int = 5) -> tuple[float, list]:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    rows = [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / n) for e in prof.key_averages()
+    rows = [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / n, e.count / n) for e in prof.key_averages()
             if getattr(e, "self_device_time_total", 0) > 0]
     rows.sort(key=lambda r: -r[1])
-    return sum(t for _, t in rows), [(k[:70], round(t, 4)) for k, t in rows[:8]]
+    return sum(t for _, t, _ in rows), [(k[:70], round(t, 4), c) for k, t, c in rows[:top]]
 
 
 def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
@@ -491,9 +492,10 @@ def main() -> int:
                   f"| {r['srelu24_float8_e4m3_sparse_vs_dense_float8']:.2f}x |")
         for r in f8:
             for v in ("dense_float8", "srelu24_float8_e4m3_sparse"):
-                print(f"\n{v} ({r['shape']}, T={r['T']}): kernels {r[f'kernel_ms_{v}']:.3f} ms per fw+bw; the costliest:")
-                for k, t in r[f"top_kernels_{v}"]:
-                    print(f"  {t:8.3f}  {k}")
+                print(f"\n{v} ({r['shape']}, T={r['T']}): kernels {r[f'kernel_ms_{v}']:.3f} ms per fw+bw; the costliest "
+                      "(ms, launches per fw+bw):")
+                for k, t, c in r[f"top_kernels_{v}"]:
+                    print(f"  {t:8.3f}  {c:4.1f}  {k}")
     for r in fb:
         if r.get("clocks"):
             print(f"\nclocks while each fw+bw runs back to back ({r['shape']}, T={r['T']}; nvidia-smi medians)")

@@ -32,6 +32,19 @@ def test_scaled_cast_equals_torch_bit_for_bit(dtype, scale_kind, transpose):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -7, 0.75])
+def test_scaled_cast_equals_torch_on_every_bf16_value(dtype, scale):
+    """All 65,536 bf16 bit patterns, NaN and inf included: on a GPU the cast is the cvt instruction,
+    here the bit-level rounding; both must give torch's bytes (its NaNs only as NaN: ours are 0x7F)."""
+    t = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    want = scaled_cast_reference(t, torch.tensor(scale), dtype)
+    got = scaled_cast(t.to(DEV), torch.tensor(scale).to(DEV), dtype).cpu()
+    nan = want.float().isnan()
+    assert torch.equal(got.float().isnan(), nan)
+    assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_scaled_cast_keeps_nan(dtype):
     t = awkward(8, 64)
     for i, bits in enumerate((0x7FFF, 0x7FC0, -1)):  # NaNs of several payloads and signs (-1: 0xFFFF)

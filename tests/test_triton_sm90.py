@@ -41,6 +41,8 @@ for name, fn, signature, constexprs, *options in kernels:
     k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                        options=options[0] if options else None)
     assert "cubin" in k.asm and k.asm["ptx"], name
+    # the casts use the GPU's conversion, not the interpreter's bit-level rounding (its 1.5 2^23 constant)
+    assert "0f4B400000" not in k.asm["ptx"], name + " rounds on the bits"
     print("compiled", name)
 '''
 
