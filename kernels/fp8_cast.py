@@ -60,6 +60,32 @@ def to_float8_bits(x, E5M2: tl.constexpr):
     return float8_bits(round_to_float8(x, E5M2), E5M2)
 
 
+# e4m3 power-of-2 scales: fp8_sparse's rows and columns, and fp8_gemm's rowwise operands (the same
+# scale as torchao's rowwise recipe, exp2(floor(log2(448 / amax))), for every finite bf16 amax)
+AMAX_FLOOR = 1e-12  # an all-zero row (token padding) gets a finite scale
+
+
+def pow2_scale(amax: Tensor) -> Tensor:
+    """The largest power of 2 s with amax * s <= 448, from amax's bits (float32; exact, no log2):
+    with amax = m 2^e (1 <= m < 2), s = 2^(8 - e), or 2^(7 - e) where m > 1.75 (448 = 1.75 2^8).
+    NaN for a non-finite amax: the row's values become NaN, which the trainer's check catches."""
+    a = amax.float()
+    bits = a.clamp(min=AMAX_FLOOR).view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    e_s = 8 - e - ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return torch.where(torch.isfinite(a), ((e_s + 127) << 23).view(torch.float32), float("nan"))
+
+
+@triton.jit
+def pow2_scale_triton(amax, nan_seen):
+    """pow2_scale, in Triton (nan_seen: the row held a NaN, which Triton's max reduction may drop)."""
+    bits = tl.maximum(amax, 1e-12).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    e_s = 8 - e - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    bad = nan_seen | (e == 128)  # NaN seen, or inf (exponent all ones; bf16 reaches 3.39e38, finite)
+    return tl.where(bad, 0x7FC00000, (e_s + 127) << 23).to(tl.float32, bitcast=True)  # 0x7FC00000: NaN
+
+
 @triton.jit
 def _scaled_cast_kernel(x_ptr, s_ptr, out_ptr, M, N, stride_m, stride_n, SCALE: tl.constexpr,
                         TRANSPOSE: tl.constexpr, E5M2: tl.constexpr, FMAX: tl.constexpr,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fp8_cast import scaled_cast, scaled_cast_reference
+from .fp8_cast import pow2_scale_triton, scaled_cast, scaled_cast_reference, to_float8_bits
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # torchao's floor on amax (float8_utils.EPS): an all-zero operand gets a finite scale
@@ -95,9 +95,55 @@ def amax_to_scale(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor
     return scale, inv
 
 
+@triton.jit
+def _rowwise_e4m3_kernel(x_ptr, out_ptr, scale_ptr, inv_ptr, M, stride_m, K: tl.constexpr, BK: tl.constexpr,
+                         BM: tl.constexpr):
+    """Rowwise's e4m3 cast of BM rows of x [M, K] (bf16, rows contiguous), each row whole in
+    registers: its amax, the power-of-2 scale (fp8_cast.pow2_scale: torchao's; 0 for an inf amax,
+    as torchao's 448 / inf), the row scaled and cast, and 1 / scale. One read of x, one launch: the
+    amax reduction, the scale kernel and the cast were three launches and two reads."""
+    i = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.arange(0, BK)
+    live = (i[:, None] < M) & (k[None, :] < K)
+    x = tl.load(x_ptr + i[:, None] * stride_m + k[None, :], mask=live, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    nan = tl.max((x != x).to(tl.int32), 1) > 0
+    s = tl.where((amax > 3.4e38) & ~nan, 0.0, pow2_scale_triton(amax, nan))
+    tl.store(scale_ptr + i, s, mask=i < M)
+    tl.store(inv_ptr + i, tl.math.div_rn(tl.full([BM], 1.0, tl.float32), s), mask=i < M)
+    q = to_float8_bits(tl.clamp(x * s[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), False)
+    tl.store(out_ptr + i[:, None] * K + k[None, :], q, mask=live)
+
+
+ROWWISE_ELEMENTS = 16384  # a program's rows x K (registers: 64 values a thread at 8 warps)
+
+
+def rowwise_e4m3(t: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """to_float8(t, E4M3, 1, pow2=True) for t [M, K] with contiguous rows, in one Triton launch: (the
+    cast [M, K], scale [M, 1], 1 / scale [M, 1]); None where a row does not fit one program."""
+    m, k = t.shape
+    bk = triton.next_power_of_2(k)
+    if t.stride(1) != 1 or bk > ROWWISE_ELEMENTS or not m:
+        return None
+    out = torch.empty(m, k, dtype=E4M3, device=t.device)
+    scale, inv = torch.empty(m, 1, dtype=torch.float32, device=t.device), torch.empty(m, 1, dtype=torch.float32,
+                                                                                      device=t.device)
+    bm = ROWWISE_ELEMENTS // bk
+    _rowwise_e4m3_kernel[(triton.cdiv(m, bm),)](t, out.view(torch.uint8), scale, inv, m, t.stride(0), K=k, BK=bk, BM=bm,
+                                                num_warps=8)
+    return out, scale, inv
+
+
 def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(t * scale cast to dtype, scale, 1 / scale): amax over `dim` (kept as size 1; None: the whole
     tensor), as torchao's hp_tensor_to_float8_dynamic. column_major: the cast laid out column-major."""
+    if t.is_cuda and pow2 and dtype == E4M3 and dim is not None:  # rowwise: one launch where the amax runs along rows
+        rows = t.t() if dim == 0 else t
+        if (dim == 1) != column_major and rows.stride(1) == 1:  # the cast's layout is rows' own
+            fused = rowwise_e4m3(rows)
+            if fused is not None:
+                q, scale, inv = fused
+                return (q.t(), scale.t(), inv.t()) if dim == 0 else fused
     inf = float("inf")  # the largest |t|, in one pass (no |t| tensor)
     amax = torch.linalg.vector_norm(t, inf) if dim is None else torch.linalg.vector_norm(t, inf, dim=dim, keepdim=True)
     scale, inv = amax_to_scale(amax, torch.finfo(dtype).max, pow2)

@@ -24,34 +24,9 @@ from torch import Tensor
 
 from .cslt_layout import check_shape_e4m3, compressed_bytes_e4m3, decompress
 from .cusparselt import cached_mm, searched_alg
-from .fp8_cast import to_float8_bits
+from .fp8_cast import AMAX_FLOOR, pow2_scale, pow2_scale_triton, to_float8_bits  # noqa: F401 (AMAX_FLOOR: tests)
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-12  # an all-zero row (token padding) gets a finite scale
-
-
-def pow2_scale(amax: Tensor) -> Tensor:
-    """The largest power of 2 s with amax * s <= 448, from amax's bits (float32; exact, no log2):
-    with amax = m 2^e (1 <= m < 2), s = 2^(8 - e), or 2^(7 - e) where m > 1.75 (448 = 1.75 2^8).
-    NaN for a non-finite amax: the row's values become NaN, which the trainer's check catches."""
-    a = amax.float()
-    bits = a.clamp(min=AMAX_FLOOR).view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127
-    e_s = 8 - e - ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
-    return torch.where(torch.isfinite(a), ((e_s + 127) << 23).view(torch.float32), float("nan"))
-
-
-@triton.jit
-def _pow2_scale(amax, nan_seen):
-    """pow2_scale, in Triton (nan_seen: the row held a NaN, which Triton's max reduction may drop)."""
-    bits = tl.maximum(amax, 1e-12).to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    e_s = 8 - e - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    bad = nan_seen | (e == 128)  # NaN seen, or inf (exponent all ones; bf16 reaches 3.39e38, finite)
-    return tl.where(bad, 0x7FC00000, (e_s + 127) << 23).to(tl.float32, bitcast=True)  # 0x7FC00000: NaN
-
-
 @triton.jit
 def _row_to_e4m3(x_ptr, out_ptr, scale_ptr, r, stride_x, C: tl.constexpr, BLOCK: tl.constexpr):
     """Row r of x [M, C] (bf16): amax, its power-of-2 scale, and the row scaled and rounded to e4m3
@@ -64,7 +39,7 @@ def _row_to_e4m3(x_ptr, out_ptr, scale_ptr, r, stride_x, C: tl.constexpr, BLOCK:
         v = tl.load(x_ptr + r * stride_x + c, mask=c < C, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
         nan = tl.maximum(nan, (v != v).to(tl.int32))
-    s = _pow2_scale(tl.max(amax, 0), tl.max(nan, 0) > 0)
+    s = pow2_scale_triton(tl.max(amax, 0), tl.max(nan, 0) > 0)
     tl.store(scale_ptr + r, s)
     for c0 in range(0, C, BLOCK):  # the second read comes from cache (a one-pass variant was no faster: lab/LOG.md)
         c = c0 + tl.arange(0, BLOCK)
@@ -156,7 +131,7 @@ def _columns_to_e4m3_kernel(b_ptr, out_ptr, scale_ptr, N, stride_k, stride_n, K:
         v = _column_tile(b_ptr, k, j, K, N, stride_k, stride_n)
         amax = tl.maximum(amax, tl.abs(v))
         nan = tl.maximum(nan, (v != v).to(tl.int32))
-    s = _pow2_scale(tl.max(amax, 0), tl.max(nan, 0) > 0)
+    s = pow2_scale_triton(tl.max(amax, 0), tl.max(nan, 0) > 0)
     tl.store(scale_ptr + j, s, mask=j < N)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)

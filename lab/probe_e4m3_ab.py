@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels import fp8_cast as new_cast, fp8_sparse as new  # noqa: E402
+from kernels import fp8_cast as new_cast, fp8_gemm as new_gemm, fp8_sparse as new  # noqa: E402
 from kernels.cslt_layout import compressed_bytes_e4m3  # noqa: E402
 from kernels.srelu24_sparsify import srelu_sparsify_2to4  # noqa: E402
 
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     args = ap.parse_args()
     sys.path.insert(0, args.old)
-    from old_kernels import fp8_cast as old_cast, fp8_sparse as old
+    from old_kernels import fp8_cast as old_cast, fp8_gemm as old_gemm, fp8_sparse as old
 
     T = args.tokens
     print(f"native cvt in the new kernels: {bool(new_cast.NATIVE_CVT)}")
@@ -80,6 +80,11 @@ def main() -> None:
         lambda: old_cast.scaled_cast(w2, s_col, old_cast.E4M3, transpose=True),
         lambda: new_cast.scaled_cast(w2, s_col, new_cast.E4M3, transpose=True), w2.numel() * 3)
 
+    w1 = torch.randn(F, D, device="cuda", dtype=BF)
+    dy = torch.randn(T, D, device="cuda", dtype=BF)
+    for name, a, b, grad in (("Z = X W1^T", x, w1.t(), False), ("dA = dY W2", dy, w2, True)):  # a [T, d] and B
+        row(f"rowwise operands of {name}", (T, D, F), lambda: old_gemm._operands(a, b, "rowwise", grad),
+            lambda: new_gemm._operands(a, b, "rowwise", grad), (a.numel() + b.numel()) * 3)
     print("\nnew _compressed_to_e4m3_kernel, launch settings (the shipped one first)")
     print("| shape | BLOCK | warps | equal | µs | GB/s |")
     print("|---|---|---|---|---|---|")

@@ -285,6 +285,27 @@ def test_amax_to_scale_kernel_equals_torchaos_formula_for_every_bf16_amax(fmax, 
         assert bool(same.all()), amax[~same][:4]
 
 
+@pytest.mark.parametrize("k", [48, 64])
+def test_rowwise_kernel_equals_the_pytorch_path_for_every_bf16_amax(k):
+    """The one-launch rowwise cast (fp8_gemm.rowwise_e4m3; here the Triton interpreter) against
+    to_float8's PyTorch path: one row per non-negative bf16 amax (all 2^15 bit patterns: zero,
+    subnormals, inf and NaN among them), the amax at a random place among smaller values. Bytes,
+    scales and reciprocals bit for bit; NaN where PyTorch has NaN."""
+    g = torch.Generator().manual_seed(k)
+    amax = torch.arange(0, 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    t = (torch.rand(amax.numel(), k, generator=g) * 2 - 1) * torch.nan_to_num(amax, nan=1.0, posinf=1.0)[:, None]
+    t[torch.arange(amax.numel()), torch.randint(0, k, (amax.numel(),), generator=g)] = amax
+    t = t.bfloat16()
+    want = fp8.to_float8(t, fp8.E4M3, 1, True)
+    got = fp8.rowwise_e4m3(t)
+    assert got[1].shape == got[2].shape == (amax.numel(), 1)
+    for name, g_, w in zip(("cast", "scale", "1 / scale"), got, want):
+        nan = w.float().isnan()
+        bits = (lambda x: x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int32))
+        assert torch.equal(g_.float().isnan(), nan), name
+        assert torch.equal(bits(g_)[~nan], bits(w)[~nan]), name
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
