@@ -103,41 +103,40 @@ def _compressed_to_e4m3_kernel(x_ptr, words_ptr, out_ptr, scale_ptr, M, n_blocks
 METADATA_BLOCKS = 2
 
 
-# _columns_to_e4m3_kernel's tile: BN columns a program, BK rows a step. 16 x 512 with 8 warps was the
-# fastest of 12 settings (BN 16/32, BK 256-1024, 4/8 warps) on the H200 at the FFN's row-major B
-# operands, 8192-16512 x 4096 (benchmarks/RESULTS.md, session 13)
-COLUMN_BN, COLUMN_BK, COLUMN_WARPS = 16, 512, 8
+# A row-major B's column conversion, in two launches that each cover the GPU's whole width:
+# 1. column amaxes: each program reduces a COLUMN_AMAX_TILE tile of B and takes an atomic max on the
+#    bits of |b| (as int32, NaN > inf > every finite value, so a NaN survives the max);
+# 2. the cast: 64 x 64 tiles, each column's scale from its amax, written transposed (K-major).
+# One kernel with N/16 programs, each down all of K twice (the second read from HBM), took 131 us at
+# 16512 x 4096 on the H200; these two take 104 us with the amax tile 256 x 64, the best of three
+# (benchmarks/RESULTS.md, session 15).
+COLUMN_AMAX_TILE = (256, 64)
 
 
 @triton.jit
-def _column_tile(b_ptr, k, j, K, N, stride_k, stride_n):
-    """b[k, j] for the rows k and columns j given (zeros outside b), in float32."""
-    return tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
-                   other=0.0).to(tl.float32)
+def _column_amax_kernel(b_ptr, amax_ptr, K, N, stride_k, stride_n, BK: tl.constexpr, BN: tl.constexpr):
+    """amax_ptr[j] = max(amax_ptr[j], bits of max |b[k, j]|) over this program's BK x BN tile."""
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
+                other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr + j, tl.max(tl.abs(v).to(tl.int32, bitcast=True), 0), mask=j < N)
 
 
 @triton.jit
-def _columns_to_e4m3_kernel(b_ptr, out_ptr, scale_ptr, N, stride_k, stride_n, K: tl.constexpr, BK: tl.constexpr,
-                            BN: tl.constexpr):
-    """BN columns of b [K, N] (bf16, any strides): each column's amax and power-of-2 scale, then the
-    columns scaled, rounded to e4m3 and written as rows of out [N, K] (B K-major). One launch for
-    what was a scale kernel and a cast kernel; the columns' second read comes from cache. K a
-    constexpr, as in _row_to_e4m3."""
-    j = tl.program_id(0) * BN + tl.arange(0, BN)
-    amax = tl.zeros([BK, BN], dtype=tl.float32)
-    nan = tl.zeros([BK, BN], dtype=tl.int32)
-    for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        v = _column_tile(b_ptr, k, j, K, N, stride_k, stride_n)
-        amax = tl.maximum(amax, tl.abs(v))
-        nan = tl.maximum(nan, (v != v).to(tl.int32))
-    s = pow2_scale_triton(tl.max(amax, 0), tl.max(nan, 0) > 0)
-    tl.store(scale_ptr + j, s, mask=j < N)
-    for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        v = _column_tile(b_ptr, k, j, K, N, stride_k, stride_n)
-        q = to_float8_bits(v * s[None, :], False)
-        tl.store(out_ptr + j[:, None] * K + k[None, :], tl.trans(q), mask=(j[:, None] < N) & (k[None, :] < K))
+def _column_cast_kernel(b_ptr, amax_ptr, out_ptr, scale_ptr, K, N, stride_k, stride_n, BK: tl.constexpr,
+                        BN: tl.constexpr):
+    """out [N, K] = b [K, N] times each column's power-of-2 scale (from its amax bits), as e4m3,
+    transposed; the first row of programs also writes the scales."""
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    bits = tl.load(amax_ptr + j, mask=j < N, other=0)
+    s = pow2_scale_triton(bits.to(tl.float32, bitcast=True), bits > 0x7F800000)
+    if tl.program_id(0) == 0:
+        tl.store(scale_ptr + j, s, mask=j < N)
+    m = (k[:, None] < K) & (j[None, :] < N)
+    v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + j[None, :] * K + k[:, None], to_float8_bits(v * s[None, :], False), mask=m)
 
 
 def rows_to_e4m3_reference(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -176,16 +175,23 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
 
 def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
     """B [K, N] (bf16) as e4m3 with a power-of-2 scale per column: (its [K, N] view of a K-major
-    [N, K] tensor, the scales [N]), in one launch."""
+    [N, K] tensor, the scales [N]): one launch for a K-major B, three (zeros, amaxes, cast) for a
+    row-major one."""
     if b.t().is_contiguous():  # the transpose of a row-major [N, K]: its rows are B's columns
         q, s = rows_to_e4m3(b.t())
         return q.t(), s
     k, n = b.shape
     out = torch.empty(n, k, dtype=E4M3, device=b.device)
     s = torch.empty(n, dtype=torch.float32, device=b.device)
-    if n:
-        _columns_to_e4m3_kernel[(triton.cdiv(n, COLUMN_BN),)](b, out.view(torch.uint8), s, n, b.stride(0), b.stride(1),
-                                                              K=k, BK=COLUMN_BK, BN=COLUMN_BN, num_warps=COLUMN_WARPS)
+    if n and k:
+        amax = torch.zeros(n, dtype=torch.int32, device=b.device)
+        bk, bn = COLUMN_AMAX_TILE
+        _column_amax_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](b, amax, k, n, b.stride(0), b.stride(1), BK=bk,
+                                                                       BN=bn, num_warps=8)
+        _column_cast_kernel[(triton.cdiv(k, 64), triton.cdiv(n, 64))](b, amax, out.view(torch.uint8), s, k, n,
+                                                                       b.stride(0), b.stride(1), BK=64, BN=64, num_warps=4)
+    elif n:  # no rows: every amax is 0
+        s = pow2_scale(torch.zeros(n, device=b.device))
     return out.t(), s
 
 

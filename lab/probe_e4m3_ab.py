@@ -23,7 +23,6 @@ from kernels.cslt_layout import compressed_bytes_e4m3  # noqa: E402
 from kernels.srelu24_sparsify import srelu_sparsify_2to4  # noqa: E402
 
 D, F = 4096, 16512
-BF = torch.bfloat16
 
 
 def compressed(m: int, k: int) -> torch.Tensor:
@@ -34,7 +33,7 @@ def compressed(m: int, k: int) -> torch.Tensor:
 def same(x, y) -> bool:
     if isinstance(x, tuple):
         return all(same(a, b) for a, b in zip(x, y))
-    as_bytes = (lambda t: t.view(torch.uint8) if t.element_size() == 1 else t)
+    as_bytes = (lambda t: t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]))  # NaN == NaN
     return x.shape == y.shape and torch.equal(as_bytes(x), as_bytes(y))
 
 
@@ -85,6 +84,22 @@ def main() -> None:
     for name, a, b, grad in (("Z = X W1^T", x, w1.t(), False), ("dA = dY W2", dy, w2, True)):  # a [T, d] and B
         row(f"rowwise operands of {name}", (T, D, F), lambda: old_gemm._operands(a, b, "rowwise", grad),
             lambda: new_gemm._operands(a, b, "rowwise", grad), (a.numel() + b.numel()) * 3)
+    print("\nnew column amax tiles (kmajor_e4m3 of a row-major B; the shipped tile first)")
+    print("| shape | BK x BN | equal | µs | GB/s |")
+    print("|---|---|---|---|---|")
+    for k, n in ((F, D), (T, D)):
+        b = torch.randn(k, n, device="cuda", dtype=BF)
+        want = new.kmajor_e4m3(b)
+        for tile in (new.COLUMN_AMAX_TILE, (512, 64), (256, 32), (512, 32), (1024, 64), (128, 64)):
+            def launch(tile=tile):
+                new.COLUMN_AMAX_TILE, keep = tile, new.COLUMN_AMAX_TILE
+                try:
+                    return new.kmajor_e4m3(b)
+                finally:
+                    new.COLUMN_AMAX_TILE = keep
+            eq = same(launch(), want)
+            t = us(launch)
+            print(f"| {k}x{n} | {tile[0]} x {tile[1]} | {eq} | {t:.1f} | {b.numel() * 3 / t / 1e3:.0f} |", flush=True)
     print("\nnew _compressed_to_e4m3_kernel, launch settings (the shipped one first)")
     print("| shape | BLOCK | warps | equal | µs | GB/s |")
     print("|---|---|---|---|---|---|")

@@ -24,10 +24,12 @@ kernels = [(f"scaled_cast e5m2={e5} scale={sc} transpose={tr}", fp8_cast._scaled
 kernels += [
     ("rows_to_e4m3", fp8_sparse._rows_to_e4m3_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32",
      "stride_x": "i32", "C": "constexpr", "BLOCK": "constexpr"}, {"C": 8256, "BLOCK": 1024}),
-    ("columns_to_e4m3", fp8_sparse._columns_to_e4m3_kernel, {"b_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32",
-     "N": "i32", "stride_k": "i32", "stride_n": "i32", "K": "constexpr", "BK": "constexpr", "BN": "constexpr"},
-     {"K": 16384, "BK": fp8_sparse.COLUMN_BK, "BN": fp8_sparse.COLUMN_BN},
-     {"num_warps": fp8_sparse.COLUMN_WARPS}),  # as kmajor_e4m3 launches it
+    ("column_amax", fp8_sparse._column_amax_kernel, {"b_ptr": "*bf16", "amax_ptr": "*i32", "K": "i32", "N": "i32",
+     "stride_k": "i32", "stride_n": "i32", "BK": "constexpr", "BN": "constexpr"},
+     dict(zip(("BK", "BN"), fp8_sparse.COLUMN_AMAX_TILE)), {"num_warps": 8}),  # as kmajor_e4m3 launches it
+    ("column_cast", fp8_sparse._column_cast_kernel, {"b_ptr": "*bf16", "amax_ptr": "*i32", "out_ptr": "*u8",
+     "scale_ptr": "*fp32", "K": "i32", "N": "i32", "stride_k": "i32", "stride_n": "i32", "BK": "constexpr",
+     "BN": "constexpr"}, {"BK": 64, "BN": 64}),
     *[(f"compressed_to_e4m3 blocks={n}", fp8_sparse._compressed_to_e4m3_kernel, {"x_ptr": "*bf16", "words_ptr": "*i32",
        "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "n_blocks": "i32", "C": "constexpr", "BLOCK": "constexpr",
        "BLOCKS": "constexpr"}, {"C": 8256, "BLOCK": 1024, "BLOCKS": n}) for n in (1, 2, 8)],
@@ -57,4 +59,4 @@ def test_float8_kernels_compile_for_sm90(tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 23
+    assert r.stdout.count("compiled") == 24
