@@ -23,6 +23,7 @@ from kernels.cslt_layout import compressed_bytes_e4m3  # noqa: E402
 from kernels.srelu24_sparsify import srelu_sparsify_2to4  # noqa: E402
 
 D, F = 4096, 16512
+BF = torch.bfloat16
 
 
 def compressed(m: int, k: int) -> torch.Tensor:
