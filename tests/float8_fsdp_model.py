@@ -17,7 +17,7 @@ import torch.distributed as dist  # noqa: E402
 from model import FFNConfig, ModelConfig, Transformer  # noqa: E402
 from training import float8  # noqa: E402
 from training.config import Float8, OptimConfig, Strategy, TrainerConfig  # noqa: E402
-from training.distributed import Dist, build_model, setup  # noqa: E402
+from training.distributed import Dist, build_model, exit_process, setup  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
@@ -57,3 +57,4 @@ for step in range(3):
     assert got is not None and torch.allclose(got, want, rtol=1e-6), (got, want)
 print(f"rank {d.rank}: 3 steps equal to the unsharded model, scales of the whole weights", flush=True)
 dist.destroy_process_group()
+exit_process(0)  # without the interpreter's teardown, which gloo's threads can abort (pytorch/pytorch#190489)

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 from model import FFNConfig, ModelConfig, Transformer  # noqa: E402
 from training.config import Strategy, TrainerConfig  # noqa: E402
-from training.distributed import build_model, setup  # noqa: E402
+from training.distributed import build_model, exit_process, setup  # noqa: E402
 
 t = TrainerConfig(strategy=Strategy.fsdp, compile=True, device="cpu")
 d = setup(t)
@@ -33,3 +33,4 @@ recompiles = sum(counters["recompiles"].values()) if "recompiles" in counters el
 assert recompiles == 0, dict(counters["recompiles"])
 print(f"rank {d.rank}: 4 passes equal to eager, {recompiles} recompiles", flush=True)
 dist.destroy_process_group()
+exit_process(0)  # without the interpreter's teardown, which gloo's threads can abort (pytorch/pytorch#190489)
