@@ -10,6 +10,7 @@ Writes tables and benchmarks/results/bench_ffn.json.
 """
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -125,11 +126,14 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled, density=None, clocks
     return r
 
 
-def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=None) -> dict:
+def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=None, repeats: int = 1,
+                     clocks: bool = False) -> dict:
     """fw+bw in float8, the FFN modules as the model builds them (model/ffn.py) and as
     training/float8.py converts them: dense srelu with torchao's Float8Linear, compiled, against
     srelu24 with float8 dense GEMMs and its 2:4 GEMMs in bf16 or in e4m3 (ffn.sparse_float8).
-    bf16 dense srelu, compiled, as the anchor."""
+    bf16 dense srelu, compiled, as the anchor. repeats: rounds of one do_bench per variant, the
+    order reversed every other round, so that the variants share the GPU's drift at the power cap
+    (times: the medians of the rounds; ratios: the median of the rounds' own)."""
     from model.ffn import SReLU, SReLU24
     from training.config import Float8
     from training.float8 import convert
@@ -149,10 +153,18 @@ def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=No
             convert(torch.nn.ModuleDict({"ffn": m}), Float8(recipe), fsdp=False)
         fn = torch.compile(m) if not isinstance(m, SReLU24) else m
         runs[v] = fwbw(lambda x, *ws, fn=fn: fn(x), x, list(m.parameters()), gy)
-    r = {"shape": name, "T": T, "density": density, "recipe": recipe}
-    r.update({f"fwbw_{v}_ms": bench(run) for v, run in runs.items()})
+    r = {"shape": name, "T": T, "density": density, "recipe": recipe, "repeats": repeats}
+    rounds = {v: [] for v in runs}
+    for i in range(repeats):
+        for v in list(runs)[::-1 if i % 2 else 1]:
+            rounds[v].append(bench(runs[v]))
+    for v, ms in rounds.items():
+        r[f"fwbw_{v}_ms"], r[f"fwbw_{v}_ms_rounds"] = statistics.median(ms), ms
     for v in ("srelu24_float8_bf16_sparse", "srelu24_float8_e4m3_sparse"):
-        r[f"{v}_vs_dense_float8"] = r["fwbw_dense_float8_ms"] / r[f"fwbw_{v}_ms"]
+        ratios = [d / t for d, t in zip(rounds["dense_float8"], rounds[v])]
+        r[f"{v}_vs_dense_float8"], r[f"{v}_vs_dense_float8_rounds"] = statistics.median(ratios), ratios
+    if clocks:  # the two that the target compares, 2 s each back to back: clocks, power, energy per fw+bw
+        r["clocks"] = {v: energy_during(runs[v], 2.0) for v in ("dense_float8", "srelu24_float8_e4m3_sparse")}
     for v in ("dense_float8", "srelu24_float8_e4m3_sparse"):  # where each spends its GPU time
         r[f"kernel_ms_{v}"], r[f"top_kernels_{v}"] = kernel_ms(runs[v], top=24)
     return r
@@ -410,6 +422,8 @@ def main() -> int:
                     help="the recipe of the float8 part (--parts ...,float8)")
     ap.add_argument("--clocks", action="store_true",
                     help="also sample the SM clock and power (nvidia-smi) while each fw+bw variant runs")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="float8 part: interleaved rounds of the variants (median of the rounds; default 3)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_ffn.json")
     ap.add_argument("--replot", type=Path, metavar="JSON",
                     help="only redraw the breakdown figure of a saved result (no GPU needed), next to it")
@@ -419,6 +433,8 @@ def main() -> int:
         return 0
     if args.density is not None and not 0.0 < args.density < 1.0:
         ap.error(f"--density is the fraction of positive pre-activations, in (0, 1); got {args.density}")
+    if args.repeats < 1:
+        ap.error(f"--repeats is the number of rounds of the float8 part, >= 1; got {args.repeats}")
     if bad := [n for n in args.shapes.split(",") if n not in SHAPES]:
         ap.error(f"--shapes: unknown shape(s) {bad}; valid: {list(SHAPES)}")
     if not torch.cuda.is_available():
@@ -449,7 +465,7 @@ def main() -> int:
     f8 = []
     for name in args.shapes.split(",") if "float8" in parts_wanted else []:
         for T in map(int, args.tokens.split(",")):
-            f8.append(time_fwbw_float8(name, *SHAPES[name], T, args.float8, args.density))
+            f8.append(time_fwbw_float8(name, *SHAPES[name], T, args.float8, args.density, args.repeats, args.clocks))
             print(json.dumps(f8[-1]), flush=True)
             torch.cuda.empty_cache()
     shapes_bd = {"7B, T=16384": (4096, 16384, 16384), "1B, T=16384": (2048, 8192, 16384), "1B, T=4096": (2048, 8192, 4096)}
@@ -490,6 +506,14 @@ def main() -> int:
             print(f"| {r['shape']} | {r['T']} | {r['fwbw_dense_bf16_ms']:.3f} | {r['fwbw_dense_float8_ms']:.3f} "
                   f"| {r['fwbw_srelu24_float8_bf16_sparse_ms']:.3f} | {r['fwbw_srelu24_float8_e4m3_sparse_ms']:.3f} "
                   f"| {r['srelu24_float8_e4m3_sparse_vs_dense_float8']:.2f}x |")
+        for r in f8:
+            ratios = r["srelu24_float8_e4m3_sparse_vs_dense_float8_rounds"]
+            print(f"\n{r['shape']}, T={r['T']}: e4m3 2:4 vs dense float8 in each of {r['repeats']} interleaved rounds: "
+                  + ", ".join(f"{x:.3f}x" for x in ratios))
+            for v, c in r.get("clocks", {}).items():
+                print(f"  {v}: {c.get('sm_clock_mhz', '-')} MHz, {c.get('power_w', '-')} W, "
+                      f"{c.get('ms_per_call', float('nan')):.3f} ms and {c.get('mj_per_call', float('nan')):.0f} mJ per fw+bw "
+                      f"{' '.join(c.get('throttle_reasons', [])) or c.get('error', '')}")
         for r in f8:
             for v in ("dense_float8", "srelu24_float8_e4m3_sparse"):
                 print(f"\n{v} ({r['shape']}, T={r['T']}): kernels {r[f'kernel_ms_{v}']:.3f} ms per fw+bw; the costliest "
