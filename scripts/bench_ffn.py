@@ -126,6 +126,17 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled, density=None, clocks
     return r
 
 
+def interleaved_rounds(runs: dict, repeats: int, timer) -> dict:
+    """{variant: [timer(run) of each round]}: every round times each variant once, in the order of
+    `runs`, reversed every other round, so that no variant always runs right after another one (the
+    clock at the power cap follows what ran just before)."""
+    rounds = {v: [] for v in runs}
+    for i in range(repeats):
+        for v in list(runs)[::-1 if i % 2 else 1]:
+            rounds[v].append(timer(runs[v]))
+    return rounds
+
+
 def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=None, repeats: int = 1,
                      clocks: bool = False) -> dict:
     """fw+bw in float8, the FFN modules as the model builds them (model/ffn.py) and as
@@ -154,10 +165,7 @@ def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=No
         fn = torch.compile(m) if not isinstance(m, SReLU24) else m
         runs[v] = fwbw(lambda x, *ws, fn=fn: fn(x), x, list(m.parameters()), gy)
     r = {"shape": name, "T": T, "density": density, "recipe": recipe, "repeats": repeats}
-    rounds = {v: [] for v in runs}
-    for i in range(repeats):
-        for v in list(runs)[::-1 if i % 2 else 1]:
-            rounds[v].append(bench(runs[v]))
+    rounds = interleaved_rounds(runs, repeats, bench)
     for v, ms in rounds.items():
         r[f"fwbw_{v}_ms"], r[f"fwbw_{v}_ms_rounds"] = statistics.median(ms), ms
     for v in ("srelu24_float8_bf16_sparse", "srelu24_float8_e4m3_sparse"):

@@ -98,6 +98,31 @@ def test_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work():
     assert r.returncode == 2 and "--density is the fraction of positive pre-activations, in (0, 1); got 1.5" in r.stderr
 
 
+def test_bench_ffn_rounds_time_every_variant_once_a_round_in_alternating_order():
+    from scripts.bench_ffn import interleaved_rounds
+
+    order = []
+    times = iter(range(100))
+
+    def timer(run):
+        order.append(run)
+        return next(times)
+
+    got = interleaved_rounds({"a": "A", "b": "B", "c": "C"}, 3, timer)
+    assert order == list("ABCCBAABC")
+    assert got == {"a": [0, 5, 6], "b": [1, 4, 7], "c": [2, 3, 8]}
+
+
+def test_bench_ffn_refuses_fewer_than_one_round():
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ffn.py"), "--repeats", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--repeats is the number of rounds of the float8 part, >= 1; got 0" in r.stderr
+
+
 def test_bench_steps_clock_reads_every_step_once_after_the_last():
     """bench_step's Clock: the marks of several steps, read in one go (no sync between steps),
     summed per phase (two micro-batches), each step's row once."""
