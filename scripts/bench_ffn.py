@@ -137,7 +137,7 @@ def interleaved_rounds(runs: dict, repeats: int, timer) -> dict:
     return rounds
 
 
-def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=None, repeats: int = 1,
+def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=None, repeats: int = 3,
                      clocks: bool = False) -> dict:
     """fw+bw in float8, the FFN modules as the model builds them (model/ffn.py) and as
     training/float8.py converts them: dense srelu with torchao's Float8Linear, compiled, against
