@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import fp8_gemm
 from .cslt_layout import check_shape_e4m3, compressed_bytes_e4m3, decompress
 from .cusparselt import cached_mm, searched_alg
 from .fp8_cast import AMAX_FLOOR, pow2_scale, pow2_scale_triton, to_float8_bits  # noqa: F401 (AMAX_FLOOR: tests)
@@ -232,23 +233,67 @@ def usable(buf: Tensor, b: Tensor) -> bool:
             and buf.shape[0] % 64 == 0 and b.shape[0] % 64 == 0 and buf.numel() * 16 == buf.shape[0] * b.shape[0] * 9)
 
 
-def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
-    """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
-    in bf16; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm."""
-    m, k = buf.shape[0], b.shape[0]
+def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool) -> Tensor:
+    m, k = buf.shape[0], b8.shape[0]
     a8, sa = compressed_to_e4m3(buf, m, k)
-    b8, sb = kmajor_e4m3(b)
     y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
     if transpose_result:  # y is (A B)^T: B's columns are its rows
         return unscale_(y, row_scale=sb, col_scale=sa)
     return unscale_(y, row_scale=sa, col_scale=sb)
 
 
+def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
+    """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
+    in bf16; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm."""
+    return _sparse_product(buf, *kmajor_e4m3(b), transpose_result)
+
+
+def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
+    """a [r, k] (bf16, dense) @ B, B given as kmajor_e4m3's (b8, sb): a's rows scaled and cast as
+    rows_to_e4m3 scales the sparse operand's, one cuBLAS e4m3 GEMM (torch._scaled_mm, the scales'
+    reciprocals per row and column, exact accumulation as torchao's gradient GEMMs), bf16 out.
+    On a GPU the rows' cast, scales and reciprocals come from one launch (fp8_gemm.rowwise_e4m3,
+    rows up to its ROWWISE_ELEMENTS): the same bytes as rows_to_e4m3 for finite rows."""
+    fused = fp8_gemm.rowwise_e4m3(a) if a.is_cuda else None
+    if fused is not None:
+        a8, _, inv_a = fused
+    else:
+        a8, sa = rows_to_e4m3(a)
+        inv_a = sa.reciprocal()[:, None]
+    return torch._scaled_mm(a8, b8, scale_a=inv_a, scale_b=sb.reciprocal()[None, :],
+                            out_dtype=torch.bfloat16, use_fast_accum=False)
+
+
+def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor,
+                        transpose_result: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
+    of B: a weight gradient's 2:4 product and its dense features' rows (kernels/srelu24_ffn.py)."""
+    b8, sb = kmajor_e4m3(b)
+    y = _sparse_product(buf, b8, sb, transpose_result)
+    return y, None if dense_rows is None else dense_mm(dense_rows, b8, sb)
+
+
+def _dequantized(q: Tensor, s: Tensor) -> Tensor:
+    return q.float() / s
+
+
 def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
     """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied."""
     m, k = buf.shape[0], b.shape[0]
-    a = decompress(buf, m, k)
+    a8, sa = rows_to_e4m3_reference(decompress(buf, m, k))
+    b8, sb = kmajor_e4m3_reference(b)
+    y = _dequantized(a8, sa[:, None]) @ _dequantized(b8, sb[None, :])
+    return (y.t().contiguous() if transpose_result else y).to(torch.bfloat16)
+
+
+def dense_mm_reference(a: Tensor, b: Tensor) -> Tensor:
+    """What dense_mm(a, *kmajor_e4m3(b)) computes, in fp32 on any device."""
     a8, sa = rows_to_e4m3_reference(a)
     b8, sb = kmajor_e4m3_reference(b)
-    y = (a8.float() / sa[:, None]) @ (b8.float() / sb[None, :])
-    return (y.t().contiguous() if transpose_result else y).to(torch.bfloat16)
+    return (_dequantized(a8, sa[:, None]) @ _dequantized(b8, sb[None, :])).to(torch.bfloat16)
+
+
+def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Tensor,
+                                  transpose_result: bool = False) -> tuple[Tensor, Tensor | None]:
+    return (sparse_mm_reference(buf, b, transpose_result),
+            None if dense_rows is None else dense_mm_reference(dense_rows, b))

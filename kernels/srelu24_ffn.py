@@ -15,6 +15,7 @@ Same function as kernels.srelu24_reference.srelu24_ffn (its reference), GEMM by 
               dW2 = dY^T S(A24)          sparse: S()^T tokens permuted, dense features zeroed
               dW1 = S(dZ)^T X            there and computed by a dense GEMM over those features
               the three sparse operands from one pass (kernels/srelu24_sparsify_backward.py);
+              the dense features' GEMMs in e4m3 where the 2:4 ones are, sharing their B;
               dW2 comes out of cuSPARSELt as [d, F] (column-major result), dX's rows are
               gathered back to token order
 
@@ -77,6 +78,16 @@ def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False)
     if e4m3 and fp8_sparse.usable(a, b):
         return fp8_sparse.sparse_mm(a, b, transpose_result)
     return sparse_mm(a, b, transpose_result)
+
+
+def _weight_grad_mm(a: Tensor, dense_rows: Tensor | None, b: Tensor, e4m3: bool,
+                    transpose_result: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(_sparse_mm(a, b, e4m3, transpose_result), dense_rows @ b or None): a weight gradient's 2:4
+    product and its dense features' exact rows, both in e4m3 where the 2:4 one is (from one e4m3
+    conversion of b, which the two share), else in bf16."""
+    if e4m3 and fp8_sparse.usable(a, b):
+        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result)
+    return sparse_mm(a, b, transpose_result), None if dense_rows is None else dense_rows @ b
 
 
 @torch.library.custom_op("srelu24::srelu24_ffn_fwd", mutates_args=())
@@ -151,12 +162,13 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
-    dw2 = _sparse_mm(s_a, dy_p, e4m3, transpose_result=True)  # [d, F], no transpose pass
-    if dense is not None:  # zero in the sparse product: the dense features' exact columns
-        write_dense_columns(dw2, slots, a_dense @ dy_p)
-    dw1 = _sparse_mm(s_dz, x_p, e4m3)                      # [F, d]
-    if dense is not None:  # and rows
-        write_dense_rows(dw1, dense, dz_dense @ x_p)
+    has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
+    dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, e4m3, transpose_result=True)
+    if has_dense:  # dw2 is [d, F], no transpose pass
+        write_dense_columns(dw2, slots, dw2_dense)
+    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, e4m3)  # [F, d]
+    if has_dense:
+        write_dense_rows(dw1, dense, dw1_dense)
     return dx.contiguous(), dw1.contiguous(), dw2
 
 

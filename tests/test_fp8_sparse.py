@@ -219,6 +219,65 @@ def test_sparse_mm_on_cuda_matches_its_reference(transpose_result, b_layout):
     assert ((got - want).norm() / want.norm()).item() < 1e-2  # the same e4m3 values; bf16 output
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "row-major"])
+def test_dense_mm_is_the_product_of_the_e4m3_rows_and_columns(layout):
+    """The dense features' rows of a weight gradient (dense_mm): rows as rows_to_e4m3 casts them, B
+    as kmajor_e4m3 does; on the CPU through torch's CPU _scaled_mm."""
+    g = torch.Generator().manual_seed(5)
+    r, k, n = 40, 128, 96  # r: the dense features, any count
+    a = (torch.randn(r, k, generator=g) * torch.logspace(-3, 3, r)[:, None]).bfloat16()
+    a[3] = 0.0  # a dense feature that is zero at every token
+    b = _on_dev((torch.randn(k, n, generator=g) * torch.logspace(-2, 2, n)).bfloat16(), layout)
+    got = fp8_sparse.dense_mm(a.to(DEV), *fp8_sparse.kmajor_e4m3(b)).cpu()
+    want = fp8_sparse.dense_mm_reference(a, b.cpu())
+    bf16 = (a.float() @ b.cpu().float()).bfloat16()
+    assert got.shape == (r, n) and got.dtype == torch.bfloat16 and not got[3].any()
+    per_row = [_rel(got[i], want[i]) for i in range(r) if i != 3]  # each row at its own scale
+    assert max(per_row) < 1e-2, max(per_row)
+    assert _rel(got, want) < 0.2 * _rel(want, bf16)  # the e4m3 product, not the bf16 one
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [512, 8192, 16384, 16416])  # 16416: over rowwise_e4m3's row length
+def test_dense_mm_one_launch_rows_cast_as_rows_to_e4m3(k, monkeypatch):
+    """dense_mm's fused rows cast (fp8_gemm.rowwise_e4m3) gives the bytes and scales of
+    rows_to_e4m3, and so the same product as the unfused path, at the tokens a 7B FFN has."""
+    from kernels import fp8_gemm
+    g = torch.Generator(device="cuda").manual_seed(k)
+    a = (torch.randn(40, k, device="cuda", generator=g) * torch.logspace(-3, 3, 40, device="cuda")[:, None]).bfloat16()
+    a[7] = 0.0
+    b = torch.randn(k, 96, device="cuda", generator=g).bfloat16()
+    fused = fp8_gemm.rowwise_e4m3(a)
+    if fused is not None:
+        q, s = fp8_sparse.rows_to_e4m3(a)
+        assert torch.equal(fused[0].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(fused[2][:, 0], s.reciprocal())
+    got = fp8_sparse.dense_mm(a, *fp8_sparse.kmajor_e4m3(b))
+    monkeypatch.setattr(fp8_gemm, "rowwise_e4m3", lambda t: None)
+    assert torch.equal(got, fp8_sparse.dense_mm(a, *fp8_sparse.kmajor_e4m3(b)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_result", [False, True])
+def test_sparse_and_dense_mm_share_one_conversion_of_b(transpose_result):
+    m, k, n, r = 256, 512, 192, 24
+    a, keep = sparse_bf16(m, k, 6)
+    buf = compress(a, keep).cuda()
+    rows = torch.randn(r, k, device="cuda").bfloat16()
+    b = torch.randn(k, n, device="cuda").bfloat16()
+    y, yd = fp8_sparse.sparse_and_dense_mm(buf, rows, b, transpose_result)
+    assert torch.equal(y, fp8_sparse.sparse_mm(buf, b, transpose_result))
+    assert torch.equal(yd, fp8_sparse.dense_mm(rows, *fp8_sparse.kmajor_e4m3(b)))
+    y0, none = fp8_sparse.sparse_and_dense_mm(buf, None, b, transpose_result)
+    assert none is None and torch.equal(y0, y)
+    ref, ref_d = fp8_sparse.sparse_and_dense_mm_reference(buf, rows, b, transpose_result)
+    assert _rel(y, ref) < 1e-2 and _rel(yd, ref_d) < 1e-2
+
+
 def _ffn_outputs(x, w1, w2, dy, float8: str, sparse_float8: bool) -> list:
     from kernels.srelu24_ffn import srelu24_ffn_kernels
     from kernels.srelu24_reference import SReLU24Recipe
@@ -244,7 +303,8 @@ def test_srelu24_ffn_in_e4m3_is_its_reference_and_near_bf16(monkeypatch):
     bf16 = _ffn_outputs(x, w1, w2, dy, "none", False)
     dense8 = _ffn_outputs(x, w1, w2, dy, "rowwise", False)  # the 2:4 GEMMs in bf16
     e4m3 = _ffn_outputs(x, w1, w2, dy, "rowwise", True)
-    monkeypatch.setattr(fp8_sparse, "sparse_mm", fp8_sparse.sparse_mm_reference)
+    monkeypatch.setattr(fp8_sparse, "sparse_mm", fp8_sparse.sparse_mm_reference)  # Y, dX
+    monkeypatch.setattr(fp8_sparse, "sparse_and_dense_mm", fp8_sparse.sparse_and_dense_mm_reference)  # dW1, dW2
     reference = _ffn_outputs(x, w1, w2, dy, "rowwise", True)
 
     def rel(a, b):
