@@ -85,7 +85,9 @@ def _amax_to_scale_kernel(amax_ptr, scale_ptr, inv_ptr, n, FMAX: tl.constexpr, P
 def amax_to_scale(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor]:
     """amax_to_scale_reference; on a GPU in one Triton launch (host time: srelu24's casts at 1B shapes
     left the GPU waiting on the host)."""
-    if not amax.is_cuda or (pow2 and amax.dtype != torch.bfloat16):  # the kernel's pow2 rounding holds for bf16
+    # the kernel's pow2 rounding is torchao's for a bf16 amax only: an fp32 one can put 448 / amax
+    # within an ulp below a power of 2, which torchao's float32 log2 rounds up (tests/test_float8.py)
+    if not amax.is_cuda or (pow2 and amax.dtype != torch.bfloat16):
         return amax_to_scale_reference(amax, fmax, pow2)
     a = amax.contiguous()
     scale, inv = torch.empty(a.shape, dtype=torch.float32, device=a.device), torch.empty(a.shape, dtype=torch.float32,
@@ -98,17 +100,18 @@ def amax_to_scale(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor
 @triton.jit
 def _rowwise_e4m3_kernel(x_ptr, out_ptr, scale_ptr, inv_ptr, M, stride_m, K: tl.constexpr, BK: tl.constexpr,
                          BM: tl.constexpr):
-    """Rowwise's e4m3 cast of BM rows of x [M, K] (bf16, rows contiguous), each row whole in
-    registers: its amax, the power-of-2 scale (fp8_cast.pow2_scale: torchao's; 0 for an inf amax,
-    as torchao's 448 / inf), the row scaled and cast, and 1 / scale. One read of x, one launch: the
-    amax reduction, the scale kernel and the cast were three launches and two reads."""
+    """Rowwise's e4m3 cast of BM rows of x [M, K] (bf16 or fp32, rows contiguous), each row whole in
+    registers: its amax, the power-of-2 scale (fp8_cast.pow2_scale: torchao's for a bf16 amax; 0 for
+    an inf amax, as torchao's 448 / inf), the row scaled and cast, and 1 / scale. One read of x, one
+    launch: the amax reduction, the scale kernel and the cast were three launches and two reads."""
     i = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.arange(0, BK)
     live = (i[:, None] < M) & (k[None, :] < K)
     x = tl.load(x_ptr + i[:, None] * stride_m + k[None, :], mask=live, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
     nan = tl.max((x != x).to(tl.int32), 1) > 0
-    s = tl.where((amax > 3.4e38) & ~nan, 0.0, pow2_scale_triton(amax, nan))
+    inf = amax.to(tl.int32, bitcast=True) == 0x7F800000  # by its bits: fp32 has finite values above 3.4e38
+    s = tl.where(inf & ~nan, 0.0, pow2_scale_triton(amax, nan))
     tl.store(scale_ptr + i, s, mask=i < M)
     tl.store(inv_ptr + i, tl.math.div_rn(tl.full([BM], 1.0, tl.float32), s), mask=i < M)
     q = to_float8_bits(tl.clamp(x * s[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), False)
@@ -120,7 +123,11 @@ ROWWISE_ELEMENTS = 16384  # a program's rows x K (registers: 64 values a thread 
 
 def rowwise_e4m3(t: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     """to_float8(t, E4M3, 1, pow2=True) for t [M, K] with contiguous rows, in one Triton launch: (the
-    cast [M, K], scale [M, 1], 1 / scale [M, 1]); None where a row does not fit one program."""
+    cast [M, K], scale [M, 1], 1 / scale [M, 1]); None where a row does not fit one program.
+    For an fp32 t (srelu24's fp32 W1 in e4m3 mode) the scale is the largest power of 2 that fits,
+    which torchao's exceeds 2x where its float32 log2 rounds up (amaxes a few ulps above 1.75 2^e;
+    it then clamps that value to 448): dequantized, the same values but for that one and those in
+    e4m3's subnormal range."""
     m, k = t.shape
     bk = triton.next_power_of_2(k)
     if t.stride(1) != 1 or bk > ROWWISE_ELEMENTS or not m:

@@ -30,8 +30,8 @@ from .fp8_cast import AMAX_FLOOR, pow2_scale, pow2_scale_triton, to_float8_bits 
 E4M3 = torch.float8_e4m3fn
 @triton.jit
 def _row_to_e4m3(x_ptr, out_ptr, scale_ptr, r, stride_x, C: tl.constexpr, BLOCK: tl.constexpr):
-    """Row r of x [M, C] (bf16): amax, its power-of-2 scale, and the row scaled and rounded to e4m3
-    (out [M, C], one byte each). C is a constexpr (one compile per row length): TRITON_INTERPRET
+    """Row r of x [M, C] (bf16 or fp32): amax, its power-of-2 scale, and the row scaled and rounded to
+    e4m3 (out [M, C], one byte each). C is a constexpr (one compile per row length): TRITON_INTERPRET
     cannot loop to a runtime bound under numpy >= 2.4."""
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     nan = tl.zeros([BLOCK], dtype=tl.int32)
@@ -175,7 +175,7 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
 
 
 def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
-    """B [K, N] (bf16) as e4m3 with a power-of-2 scale per column: (its [K, N] view of a K-major
+    """B [K, N] (bf16 or fp32) as e4m3 with a power-of-2 scale per column: (its [K, N] view of a K-major
     [N, K] tensor, the scales [N]): one launch for a K-major B, three (zeros, amaxes, cast) for a
     row-major one."""
     if b.t().is_contiguous():  # the transpose of a row-major [N, K]: its rows are B's columns
@@ -202,49 +202,66 @@ def kmajor_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @triton.jit
-def _unscale_kernel(y_ptr, sr_ptr, sc_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
-    """y [M, N] (bf16, in place) times 1 / sr[i], then 1 / sc[j]: the reciprocals rounded as torch's
-    (div_rn; exact for powers of 2, NaN for NaN), so no launches for them."""
+def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """out [M, N] = y (bf16) times 1 / sr[i], then 1 / sc[j], in out's dtype (out may be y: in place):
+    the reciprocals rounded as torch's (div_rn; exact for powers of 2, NaN for NaN), so no launches
+    for them."""
     i = tl.program_id(0) * BM + tl.arange(0, BM)
     j = tl.program_id(1) * BN + tl.arange(0, BN)
     m = (i[:, None] < M) & (j[None, :] < N)
-    ptr = y_ptr + i[:, None] * N + j[None, :]
-    y = tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+    offs = i[:, None] * N + j[None, :]
+    y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
     sr, sc = tl.load(sr_ptr + i, mask=i < M, other=1.0), tl.load(sc_ptr + j, mask=j < N, other=1.0)
     r, c = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), sr), tl.math.div_rn(tl.full([BN], 1.0, tl.float32), sc)
-    tl.store(ptr, (y * r[:, None] * c[None, :]).to(tl.bfloat16), mask=m)
+    tl.store(out_ptr + offs, (y * r[:, None] * c[None, :]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _unscale_into(out: Tensor, y: Tensor, row_scale: Tensor, col_scale: Tensor) -> Tensor:
+    m, n = y.shape
+    _unscale_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](y, out, row_scale, col_scale, m, n, BM=32, BN=128,
+                                                               num_warps=4)
+    return out
 
 
 def unscale_(y: Tensor, *, row_scale: Tensor, col_scale: Tensor) -> Tensor:
     """y [M, N] (contiguous bf16) *= (1 / row_scale)[:, None] * (1 / col_scale)[None, :], in place, in
     one pass (the reciprocals inside it)."""
-    m, n = y.shape
-    _unscale_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](y, row_scale, col_scale, m, n, BM=32, BN=128, num_warps=4)
-    return y
+    return _unscale_into(y, y, row_scale, col_scale)
+
+
+def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """unscale_ out of place, written in out_dtype (fp32: an fp32 weight's gradient, no cast pass
+    after). With power-of-2 scales the fp32 result is unscale_'s bf16 one, .float(), bit for bit (a
+    bf16 times powers of 2 is a bf16) except below 2^-126, where fp32 keeps bits that bf16 drops."""
+    return _unscale_into(torch.empty(y.shape, dtype=out_dtype, device=y.device), y, row_scale, col_scale)
 
 
 def usable(buf: Tensor, b: Tensor) -> bool:
-    """sparse_mm runs these operands: a bf16 compressed A on an sm90 GPU with cuSPARSELt >= 0.6
-    (e4m3 kernels), its rows and the reduction dimension (B's rows) multiples of 64 (the e4m3
-    layout's tile). Otherwise the caller's bf16 2:4 GEMM runs: so the weight gradients do where
-    the tokens per micro-batch are not a multiple of 64 (they are padded to 32)."""
-    return (buf.is_cuda and buf.dtype == b.dtype == torch.bfloat16 and torch.cuda.get_device_capability(buf.device)[0] == 9
+    """sparse_mm runs these operands: a bf16 compressed A and a bf16 or fp32 B (an fp32 weight: its
+    e4m3 conversion reads fp32) on an sm90 GPU with cuSPARSELt >= 0.6 (e4m3 kernels), A's rows and
+    the reduction dimension (B's rows) multiples of 64 (the e4m3 layout's tile). Otherwise the
+    caller's bf16 2:4 GEMM runs: so the weight gradients do where the tokens per micro-batch are not
+    a multiple of 64 (they are padded to 32)."""
+    return (buf.is_cuda and buf.dtype == torch.bfloat16 and b.dtype in (torch.bfloat16, torch.float32)
+            and torch.cuda.get_device_capability(buf.device)[0] == 9
             and (torch.backends.cusparselt.version() or 0) >= 600
             and buf.shape[0] % 64 == 0 and b.shape[0] % 64 == 0 and buf.numel() * 16 == buf.shape[0] * b.shape[0] * 9)
 
 
-def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool) -> Tensor:
+def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool,
+                    out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     m, k = buf.shape[0], b8.shape[0]
     a8, sa = compressed_to_e4m3(buf, m, k)
     y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
-    if transpose_result:  # y is (A B)^T: B's columns are its rows
-        return unscale_(y, row_scale=sb, col_scale=sa)
-    return unscale_(y, row_scale=sa, col_scale=sb)
+    sr, sc = (sb, sa) if transpose_result else (sa, sb)  # transposed, y is (A B)^T: B's columns are its rows
+    if out_dtype == torch.bfloat16:
+        return unscale_(y, row_scale=sr, col_scale=sc)
+    return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype)
 
 
 def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
     """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
-    in bf16; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm."""
+    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm."""
     return _sparse_product(buf, *kmajor_e4m3(b), transpose_result)
 
 
@@ -264,12 +281,14 @@ def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
                             out_dtype=torch.bfloat16, use_fast_accum=False)
 
 
-def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor,
-                        transpose_result: bool = False) -> tuple[Tensor, Tensor | None]:
+def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
+                        out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
-    of B: a weight gradient's 2:4 product and its dense features' rows (kernels/srelu24_ffn.py)."""
+    of B: a weight gradient's 2:4 product and its dense features' rows (kernels/srelu24_ffn.py).
+    out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
+    stay bf16 (dense_mm's), widened where write_dense_rows/columns store them."""
     b8, sb = kmajor_e4m3(b)
-    y = _sparse_product(buf, b8, sb, transpose_result)
+    y = _sparse_product(buf, b8, sb, transpose_result, out_dtype)
     return y, None if dense_rows is None else dense_mm(dense_rows, b8, sb)
 
 

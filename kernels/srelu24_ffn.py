@@ -22,7 +22,10 @@ Same function as kernels.srelu24_reference.srelu24_ffn (its reference), GEMM by 
 cuSPARSELt was chosen over CUTLASS's sm90 2:4 GEMM by measurement: CUTLASS was not faster at
 these shapes and needed its own metadata layout and build (benchmarks/RESULTS.md).
 
-Inputs in bf16 (the autocast dtype); tokens are padded to 64 for the sparse operands.
+x in bf16 (the autocast dtype); the weights in bf16, or in e4m3 mode (float8 set, sparse_float8 on)
+in fp32 as the model keeps them: every use of a weight there is an e4m3 conversion that reads fp32,
+and the weight gradients come out in fp32, so autograd casts neither (those casts took 3 ms of a
+profiled 140 ms 7B step on the H200). Tokens are padded to 64 for the sparse operands.
 """
 import torch
 import torch.nn.functional as F
@@ -57,37 +60,45 @@ def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
     return torch_mm(a, b, alg, transpose_result)
 
 
-def _check_bf16(op: str, **tensors: Tensor) -> None:
+def _check_dtypes(op: str, w1: Tensor, w2: Tensor, **tensors: Tensor) -> None:
     bad = [f"{k} {t.dtype}" for k, t in tensors.items() if t.dtype != torch.bfloat16]
+    bad += [f"{k} {t.dtype}" for k, t in (("w1", w1), ("w2", w2)) if t.dtype not in (torch.bfloat16, torch.float32)]
     if bad:
-        raise ValueError(f"srelu24::{op} needs bf16 inputs (srelu24_ffn_kernels casts them), got {', '.join(bad)}")
+        raise ValueError(f"srelu24::{op} needs bf16 inputs and bf16 or fp32 weights (srelu24_ffn_kernels casts "
+                         f"them), got {', '.join(bad)}")
 
 
 # The FFN as two torch.library custom ops (forward, backward) tied by register_autograd:
 # torch.compile keeps them whole in its graph (no graph break) and traces around them with the
-# fake (meta) versions below; FSDP2 hands them plain, all-gathered weights. Inputs are bf16
-# (srelu24_ffn_kernels casts); the recipe travels as plain bool/float arguments, and `float8`
-# ("none" | "tensorwise" | "rowwise", set by training/float8.py) picks the dense GEMMs' precision.
+# fake (meta) versions below; FSDP2 hands them plain, all-gathered weights. Inputs are bf16, the
+# weights bf16 or fp32 (srelu24_ffn_kernels casts: _op_weight); the recipe travels as plain
+# bool/float arguments, and `float8` ("none" | "tensorwise" | "rowwise", set by training/float8.py)
+# picks the dense GEMMs' precision. Every bf16 GEMM below casts a weight to bf16 itself.
+
+def _bf16(w: Tensor) -> Tensor:
+    return w.to(torch.bfloat16)
+
 
 def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool) -> Tensor:
-    return a @ b if float8 == "none" else fp8_gemm.mm(a, b, float8, grad)
+    return a @ _bf16(b) if float8 == "none" else fp8_gemm.mm(a, b, float8, grad)
 
 
 def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False) -> Tensor:
     """sparse_mm, in e4m3 where asked and the shapes allow it (rows and reduction multiples of 64)."""
     if e4m3 and fp8_sparse.usable(a, b):
         return fp8_sparse.sparse_mm(a, b, transpose_result)
-    return sparse_mm(a, b, transpose_result)
+    return sparse_mm(a, _bf16(b), transpose_result)
 
 
-def _weight_grad_mm(a: Tensor, dense_rows: Tensor | None, b: Tensor, e4m3: bool,
+def _weight_grad_mm(a: Tensor, dense_rows: Tensor | None, b: Tensor, e4m3: bool, out_dtype: torch.dtype,
                     transpose_result: bool = False) -> tuple[Tensor, Tensor | None]:
-    """(_sparse_mm(a, b, e4m3, transpose_result), dense_rows @ b or None): a weight gradient's 2:4
-    product and its dense features' exact rows, both in e4m3 where the 2:4 one is (from one e4m3
-    conversion of b, which the two share), else in bf16."""
+    """(_sparse_mm(a, b, e4m3, transpose_result) in out_dtype (the weight's), dense_rows @ b or None
+    in bf16): a weight gradient's 2:4 product and its dense features' exact rows, both in e4m3 where
+    the 2:4 one is (from one e4m3 conversion of b, which the two share; the product written in
+    out_dtype by its unscaling pass), else in bf16 (the product cast)."""
     if e4m3 and fp8_sparse.usable(a, b):
-        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result)
-    return sparse_mm(a, b, transpose_result), None if dense_rows is None else dense_rows @ b
+        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype)
+    return sparse_mm(a, b, transpose_result).to(out_dtype), None if dense_rows is None else dense_rows @ b
 
 
 @torch.library.custom_op("srelu24::srelu24_ffn_fwd", mutates_args=())
@@ -98,7 +109,7 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
     else Z [T, F]), kept non-zeros per feature [F] int32, the statistics row [N_SUMS] float64,
     empty unless collect_stats). The last two switches are the backward's, passed here so that
     the op's inputs hold the whole recipe."""
-    _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
+    _check_dtypes("srelu24_ffn_fwd", w1, w2, x=x)
     T = x.shape[0]
     z = _dense_mm(x, w1.t(), float8, grad=False)
     # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
@@ -114,7 +125,7 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
 @srelu24_ffn_fwd.register_fake
 def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask, float8="none",
       sparse_float8=True):
-    _check_bf16("srelu24_ffn_fwd", x=x, w1=w1, w2=w2)
+    _check_dtypes("srelu24_ffn_fwd", w1, w2, x=x)
     T, F_ = x.shape[0], w1.shape[0]
     saved = (x.new_empty(padded_rows(T), F_ * 9 // 16) if keeps_a24(x, w1, reuse_forward_mask)
              else x.new_empty(T, F_))
@@ -134,8 +145,9 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
                     token_permutation: bool, dense_feature_fraction: float,
                     reuse_forward_mask: bool, float8: str = "none",
                     sparse_float8: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """(dX, dW1, dW2), all bf16. saved: the forward's compressed A24 or Z (srelu24_ffn_fwd)."""
-    _check_bf16("srelu24_ffn_bwd", x=x, w1=w1, w2=w2, saved=saved)
+    """(dX in bf16, dW1 and dW2 in their weights' dtypes). saved: the forward's compressed A24 or Z
+    (srelu24_ffn_fwd)."""
+    _check_dtypes("srelu24_ffn_bwd", w1, w2, x=x, saved=saved)
     T, F_ = x.shape[0], w1.shape[0]
     from_a24 = saved.shape[1] != F_  # A24 is [padded T, 9F/16]
     dy = dy.to(torch.bfloat16).contiguous()
@@ -157,16 +169,16 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
             inverse[perm] = torch.arange(T, device=perm.device, dtype=perm.dtype)
             dx = dx.index_select(0, inverse)
     else:  # dZ is not 2:4 then: a dense GEMM (the ablation, not the fast path)
-        dx = (da * (2 * F.relu(saved))) @ w1  # saved is Z here: keeps_a24 needs the forward mask
+        dx = (da * (2 * F.relu(saved))) @ _bf16(w1)  # saved is Z here: keeps_a24 needs the forward mask
 
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
     has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
-    dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, e4m3, transpose_result=True)
+    dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, e4m3, w2.dtype, transpose_result=True)
     if has_dense:  # dw2 is [d, F], no transpose pass
         write_dense_columns(dw2, slots, dw2_dense)
-    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, e4m3)  # [F, d]
+    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, e4m3, w1.dtype)  # [F, d]
     if has_dense:
         write_dense_rows(dw1, dense, dw1_dense)
     return dx.contiguous(), dw1.contiguous(), dw2
@@ -200,16 +212,24 @@ def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts and the
 srelu24_ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _op_weight(w: Tensor, e4m3: bool) -> Tensor:
+    """w as the op takes it. In e4m3 mode an fp32 w goes in as it is: the op's every use of it reads
+    fp32, and it returns the gradient in fp32, which saves autograd's cast of w (forward) and of its
+    gradient (backward). Else w cast to bf16 here, outside the op: autograd returns fp32 gradients
+    to fp32 weights."""
+    return w if e4m3 and w.dtype == torch.float32 else w.to(torch.bfloat16)
+
+
 def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe, stats=None,
                         float8: str = "none", sparse_float8: bool = True) -> Tensor:
     """The srelu24 FFN on x [..., d]; adds this call's statistics row to `stats` when given.
     float8: the dense GEMMs' recipe (trainer.float8), "none" for bf16; sparse_float8: with float8
     set, the 2:4 GEMMs in e4m3 as well (row-wise power-of-2 scales, kernels/fp8_sparse.py)."""
     shape = x.shape
-    dt = torch.bfloat16  # casts outside the ops: autograd returns fp32 gradients to fp32 weights
-    y, _, _, row = srelu24_ffn_fwd(x.reshape(-1, shape[-1]).to(dt), w1.to(dt), w2.to(dt), stats is not None,
-                                   recipe.dense_feature_fraction, recipe.token_permutation,
-                                   recipe.reuse_forward_mask, float8, sparse_float8)
+    e4m3 = float8 != "none" and sparse_float8
+    y, _, _, row = srelu24_ffn_fwd(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, e4m3),
+                                   _op_weight(w2, e4m3), stats is not None, recipe.dense_feature_fraction,
+                                   recipe.token_permutation, recipe.reuse_forward_mask, float8, sparse_float8)
     if stats is not None:
         stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])

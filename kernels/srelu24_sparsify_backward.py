@@ -361,9 +361,10 @@ def _dense_columns_kernel(w_ptr, slot_ptr, g_ptr, D, F, BLOCK_D: tl.constexpr, B
 def _check_dense_write(name: str, w: Tensor, index: Tensor, g: Tensor, want_w: tuple, want_index: tuple) -> None:
     tensors = {"the weight gradient": w, "the index": index, "the dense-feature gradients": g}
     bad = [k for k, t in tensors.items() if not t.is_contiguous() or t.device != w.device]
-    if bad or w.dtype != g.dtype or index.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} needs contiguous tensors on one device, gradients of one dtype and an int32/int64 "
-                         f"index; got {', '.join(f'{k}: {t.dtype} on {t.device}' + ('' if t.is_contiguous() else ', strided') for k, t in tensors.items())}")
+    widen = w.dtype == torch.float32 and g.dtype == torch.bfloat16  # an fp32 weight's gradient: stored exactly
+    if bad or (w.dtype != g.dtype and not widen) or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} needs contiguous tensors on one device, gradients of one dtype (or bf16 into "
+                         f"fp32) and an int32/int64 index; got {', '.join(f'{k}: {t.dtype} on {t.device}' + ('' if t.is_contiguous() else ', strided') for k, t in tensors.items())}")
     if tuple(w.shape) != want_w or tuple(index.shape) != want_index:
         raise ValueError(f"{name}: shapes {tuple(w.shape)} (weight gradient), {tuple(index.shape)} (index) and "
                          f"{tuple(g.shape)} (dense-feature gradients [k, d]) do not agree")
@@ -371,7 +372,8 @@ def _check_dense_write(name: str, w: Tensor, index: Tensor, g: Tensor, want_w: t
 
 def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor) -> None:
     """dw1[dense] = g in place (dw1 [F, d], g [k, d], dense [k] feature indices): dW1's rows of
-    the dense features, zero in the sparse product, get their exact values."""
+    the dense features, zero in the sparse product, get their exact values. g bf16 into an fp32 dw1
+    is widened as stored (an fp32 weight's gradient)."""
     k, D = g.shape
     _check_dense_write("write_dense_rows", dw1, dense, g, (dw1.shape[0], D), (k,))
     if k:
@@ -380,10 +382,11 @@ def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor) -> None:
 
 def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor) -> None:
     """dw2[:, f] = g[slots[f]] in place for every f with slots[f] >= 0 (dw2 [d, F], g [k, d], slots
-    [F] int32 as `dense_slots` numbers them): dW2's columns of the dense features. Scattering the
-    2-byte columns (torch's indexed assignment, or a Triton scatter), or rewriting only the 32-byte
-    sectors that hold one, was slower than reading and writing all of dW2 with whole lines, which
-    costs about a copy of dW2 (benchmarks/RESULTS.md)."""
+    [F] int32 as `dense_slots` numbers them): dW2's columns of the dense features (g bf16 into an
+    fp32 dw2 widened, as write_dense_rows). Scattering the 2-byte columns (torch's indexed
+    assignment, or a Triton scatter), or rewriting only the 32-byte sectors that hold one, was slower
+    than reading and writing all of dW2 with whole lines, which costs about a copy of dW2
+    (benchmarks/RESULTS.md)."""
     k, D = g.shape
     _check_dense_write("write_dense_columns", dw2, slots, g, (D, slots.shape[0]), (dw2.shape[1],))
     if slots.dtype != torch.int32:

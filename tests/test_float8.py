@@ -285,6 +285,22 @@ def test_amax_to_scale_kernel_equals_torchaos_formula_for_every_bf16_amax(fmax, 
         assert bool(same.all()), amax[~same][:4]
 
 
+def test_amax_to_scale_kernel_pow2_is_not_torchaos_for_fp32_amaxes():
+    """Why an fp32 amax takes amax_to_scale's reference: just above 1.75 2^e, 448 / amax rounds to
+    within an ulp below a power of 2, torchao's float32 log2 rounds that up to the integer, and its
+    scale is twice the kernel's (which keeps the exponent: the largest power of 2 that fits)."""
+    base = torch.tensor([1.75 * 2.0 ** e for e in range(-12, 9)])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU's own kernel where there is one
+    amax = torch.cat([(base.view(torch.int32) + j).view(torch.float32) for j in range(16)]).to(dev)
+    want_s, _ = fp8.amax_to_scale_reference(amax, 448.0, True)
+    got_s, got_i = torch.empty_like(want_s), torch.empty_like(want_s)
+    fp8._amax_to_scale_kernel[(1,)](amax, got_s, got_i, amax.numel(), FMAX=448.0, POW2=True, BLOCK=1024)
+    differ = got_s != want_s
+    assert differ.any() and torch.equal(want_s[differ], 2 * got_s[differ])
+    assert (amax * got_s <= 448).all() and (amax[differ] * want_s[differ] > 448).all()
+    assert torch.equal(fp8.amax_to_scale(amax, 448.0, True)[0], want_s)  # the public function: torchao's
+
+
 @pytest.mark.parametrize("k", [48, 64])
 def test_rowwise_kernel_equals_the_pytorch_path_for_every_bf16_amax(k):
     """The one-launch rowwise cast (fp8_gemm.rowwise_e4m3; here the Triton interpreter) against

@@ -56,6 +56,18 @@ def test_scaled_cast_keeps_nan(dtype):
     assert torch.equal(got.view(torch.uint8)[finite], want.view(torch.uint8)[finite])
 
 
+@pytest.mark.parametrize("scale", [3.0, 2.0 ** -7])
+def test_scaled_cast_of_fp32_equals_torch(scale):
+    """fp32 input (srelu24's fp32 weights in e4m3 mode): values between bf16's, ties of the format."""
+    g = torch.Generator().manual_seed(11)
+    t = torch.randn(70, 130, generator=g) * torch.logspace(-6, 3, 130)[None, :]
+    t[0, :4] = torch.tensor([1.0625, 1.0625 + 2.0 ** -20, -448.5, 1e-7])
+    for dtype in (E4M3, E5M2):
+        want = scaled_cast_reference(t, torch.tensor(scale), dtype)
+        got = scaled_cast(t.to(DEV), torch.tensor(scale).to(DEV), dtype).cpu()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_scaled_cast_reads_any_strides():
     t = awkward(96, 64)
     want = scaled_cast_reference(t.t(), torch.tensor(0.5), E4M3)

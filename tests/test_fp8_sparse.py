@@ -185,6 +185,30 @@ def test_unscale_divides_by_row_and_column_scales_in_place(m, n):
     assert torch.equal(got[fine].view(torch.int16), want[fine].view(torch.int16))
 
 
+@pytest.mark.parametrize("m, n", [(40, 200), (64, 128), (33, 1)])
+def test_unscale_to_fp32_is_the_in_place_bf16_result_widened(m, n):
+    """An fp32 weight's gradient (unscale, out of place) equals the bf16 path's in-place unscale_,
+    .float(), bit for bit: a bf16 times power-of-2 reciprocals is a bf16 (results kept normal)."""
+    g = torch.Generator().manual_seed(m + n)
+    y = torch.randn(m, n, generator=g).bfloat16()
+    y[torch.rand(m, n, generator=g) < 0.3] = 0.0  # the sparse product's zeros (dense features, padding)
+    y[0, 0] = -0.0
+    sr = (2.0 ** torch.randint(-40, 40, (m,), generator=g).float()).to(DEV)
+    sc = (2.0 ** torch.randint(-40, 40, (n,), generator=g).float()).to(DEV)
+    got = fp8_sparse.unscale(y.to(DEV), row_scale=sr, col_scale=sc, out_dtype=torch.float32)
+    want = fp8_sparse.unscale_(y.to(DEV), row_scale=sr, col_scale=sc).float()
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.equal(got.cpu().view(torch.int32), want.cpu().view(torch.int32))  # -0.0 too
+
+
+def test_unscale_out_of_place_leaves_its_input():
+    y = torch.randn(32, 128).bfloat16().to(DEV)
+    before = y.clone()
+    s = torch.full((32,), 4.0, device=DEV), torch.full((128,), 2.0, device=DEV)
+    got = fp8_sparse.unscale(y, row_scale=s[0], col_scale=s[1], out_dtype=torch.float32)
+    assert torch.equal(y, before) and torch.equal(got, y.float() / 8)
+
+
 @pytest.mark.gpu  # the interpreter's cast to bf16 truncates; exact for powers of 2 only
 def test_unscale_rounds_reciprocals_of_any_scales_as_torch():
     g = torch.Generator().manual_seed(9)
@@ -316,3 +340,102 @@ def test_srelu24_ffn_in_e4m3_is_its_reference_and_near_bf16(monkeypatch):
         # float8's dense GEMMs already flip 2:4 choices (6-17% from bf16 at this size, as on the CPU);
         # e4m3 in the 2:4 GEMMs may add a little, not double it
         assert rel(got, b16) < 1.25 * rel(d8, b16) + 0.02, f"{what}: {rel(got, b16):.3f} against {rel(d8, b16):.3f}"
+
+
+def _recorded_weight_dtypes(monkeypatch, w_dtype, float8: str, sparse_float8: bool) -> tuple:
+    """The dtypes srelu24_ffn_kernels hands the forward op (recorded, not run)."""
+    import kernels.srelu24_ffn as K
+    from kernels.srelu24_reference import SReLU24Recipe
+
+    seen = []
+
+    def recording(x, w1, w2, *args):
+        seen.append((x.dtype, w1.dtype, w2.dtype))
+        return x.new_zeros(x.shape[0], w2.shape[0]), x, x, x.new_empty(0, dtype=torch.float64)
+
+    monkeypatch.setattr(K, "srelu24_ffn_fwd", recording)
+    x = torch.randn(2, 8, 16)
+    K.srelu24_ffn_kernels(x, torch.randn(32, 16, dtype=w_dtype), torch.randn(16, 32, dtype=w_dtype),
+                          SReLU24Recipe(), float8=float8, sparse_float8=sparse_float8)
+    return seen[0]
+
+
+@pytest.mark.parametrize("float8, sparse_float8", [("none", True), ("none", False), ("rowwise", False),
+                                                   ("tensorwise", False)])
+def test_the_kernel_ffn_casts_weights_to_bf16_outside_the_op_but_in_e4m3_mode(monkeypatch, float8, sparse_float8):
+    """The bf16 paths as before: weights cast outside the op (autograd casts their gradients back)."""
+    bf16 = torch.bfloat16
+    assert _recorded_weight_dtypes(monkeypatch, torch.float32, float8, sparse_float8) == (bf16, bf16, bf16)
+
+
+@pytest.mark.parametrize("float8", ["rowwise", "tensorwise"])
+def test_the_kernel_ffn_hands_fp32_weights_to_the_op_in_e4m3_mode(monkeypatch, float8):
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert _recorded_weight_dtypes(monkeypatch, fp32, float8, True) == (bf16, fp32, fp32)
+    assert _recorded_weight_dtypes(monkeypatch, bf16, float8, True) == (bf16, bf16, bf16)  # FSDP2's all-gathered
+    assert _recorded_weight_dtypes(monkeypatch, torch.float16, float8, True) == (bf16, bf16, bf16)
+
+
+def test_the_ops_fakes_take_fp32_weights_and_give_fp32_weight_gradients():
+    import kernels.srelu24_ffn as K
+
+    T, d, F_ = 100, 64, 128
+    x = torch.empty(T, d, dtype=torch.bfloat16, device="meta")
+    w1, w2 = torch.empty(F_, d, device="meta"), torch.empty(d, F_, device="meta")
+    y, saved, counts, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, False, True, "rowwise", True)
+    assert y.dtype == saved.dtype == torch.bfloat16 and y.shape == (T, d)
+    dx, dw1, dw2 = K.srelu24_ffn_bwd(torch.empty_like(y), x, w1, w2, saved, counts, False, 0.05, True, "rowwise", True)
+    assert dx.dtype == torch.bfloat16 and dw1.dtype == dw2.dtype == torch.float32
+    assert dw1.shape == w1.shape and dw2.shape == w2.shape
+    with pytest.raises(ValueError, match="bf16 or fp32 weights"):
+        K.srelu24_ffn_fwd(x, w1.half(), w2, False, 0.05, False, True, "rowwise", True)
+
+
+def _fp32_weight_runs(dev, T, d, F_, float8, representable: bool) -> tuple:
+    """The FFN in e4m3 mode with fp32 weights, and with the same weights cast to bf16 first
+    (representable: fp32 weights that hold bf16 values); (outputs, outputs) as _ffn_outputs'."""
+    torch.manual_seed(1)
+    x = torch.randn(T, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w1, w2 = torch.randn(F_, d, device=dev) * d ** -0.5, torch.randn(d, F_, device=dev) * F_ ** -0.5
+    if representable:
+        w1, w2 = w1.bfloat16().float(), w2.bfloat16().float()
+    w1, w2 = w1.requires_grad_(), w2.requires_grad_()
+    dy = torch.randn(T, d, device=dev, dtype=torch.bfloat16)
+    fp32 = _ffn_outputs(x, w1, w2, dy, float8, True)
+    assert w1.grad.dtype == w2.grad.dtype == torch.float32
+    return fp32, _ffn_outputs(x, *_bf16_leaves(w1, w2), dy, float8, True)
+
+
+def _bf16_leaves(*ws: torch.Tensor) -> list:
+    return [w.detach().bfloat16().requires_grad_() for w in ws]
+
+
+@pytest.mark.parametrize("float8", ["rowwise", "tensorwise"])
+def test_the_op_in_e4m3_mode_takes_fp32_weights_through_its_bf16_fallbacks(monkeypatch, float8):
+    """On the CPU every 2:4 GEMM is a bf16 fallback (cuSPARSELt stood in for), which casts the fp32
+    weights inside the op; fp32 weights that hold bf16 values give the bf16 weights' results exactly
+    (the weight gradients come back fp32: the bf16 ones, widened)."""
+    from test_kernels import _cslt_stand_in
+
+    _cslt_stand_in(monkeypatch)
+    fp32, bf16 = _fp32_weight_runs("cpu", 100, 64, 128, float8, representable=True)
+    for what, got, want in zip(("Y", "dX", "dW1", "dW2"), fp32, bf16):
+        assert torch.equal(got, want), what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("float8", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("T", [512, 470])  # 470: padded to 480 tokens, the weight gradients' bf16 fallback
+def test_srelu24_ffn_in_e4m3_takes_fp32_weights_as_their_bf16_casts(float8, T):
+    """fp32 weights straight into the e4m3 op (no casts around it) against the same weights cast to
+    bf16 first. Holding bf16 values, the two convert to the same e4m3 bytes (the unscaling's fp32
+    output being the bf16 one widened): equal results. Any fp32 values: e4m3 of fp32 and of its bf16
+    rounding differ where the double rounding does (a few % of the values, by one e4m3 step),
+    which flips some 2:4 choices: 3-6% apart on the CPU's fallbacks at these shapes."""
+    for representable in (True, False):
+        fp32, bf16 = _fp32_weight_runs("cuda", T, 256, 1024, float8, representable)
+        for what, got, want in zip(("Y", "dX", "dW1", "dW2"), fp32, bf16):
+            if representable:
+                assert torch.equal(got, want), what
+            else:
+                assert _rel(got, want) < 0.1, f"{what}: {_rel(got, want):.4f}"

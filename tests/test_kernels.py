@@ -496,6 +496,27 @@ def test_dense_rows_and_columns_equal_indexed_assignment(k, d, f):
         write_dense_columns(dw2, torch.stack([slots, slots], 1)[:, 0], g2)
 
 
+@pytest.mark.parametrize("k,d,f", [(5, 64, 96), (40, 200, 320)])
+def test_dense_rows_and_columns_write_bf16_gradients_into_fp32_ones_exactly(k, d, f):
+    """An fp32 weight's gradient (srelu24's e4m3 mode) gets the dense features' bf16 products
+    widened: the same values as the bf16 writes, .float(); other dtype pairs are refused."""
+    from kernels.srelu24_sparsify_backward import dense_slots, write_dense_columns, write_dense_rows
+
+    g = torch.Generator().manual_seed(k * d)
+    dw1, dw2 = torch.randn(f, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16()
+    dense = torch.randperm(f, generator=g)[:k]
+    g1, g2 = torch.randn(k, d, generator=g).bfloat16(), torch.randn(k, d, generator=g).bfloat16()
+    slots, _ = dense_slots(dense, f, "cpu")
+    dw1_32, dw2_32 = dw1.float(), dw2.float()
+    write_dense_rows(dw1, dense, g1)
+    write_dense_columns(dw2, slots, g2)
+    write_dense_rows(dw1_32, dense, g1)
+    write_dense_columns(dw2_32, slots, g2)
+    assert dw1_32.dtype == torch.float32 and torch.equal(dw1_32, dw1.float()) and torch.equal(dw2_32, dw2.float())
+    with pytest.raises(ValueError, match="gradients of one dtype"):
+        write_dense_rows(dw1, dense, g1.float())  # fp32 into bf16 would round
+
+
 def test_backward_operands_refuses_slots_that_are_not_dense_slots():
     from kernels.srelu24_sparsify_backward import backward_operands, dense_slots
 

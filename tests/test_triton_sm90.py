@@ -33,8 +33,23 @@ kernels += [
     *[(f"compressed_to_e4m3 blocks={n}", fp8_sparse._compressed_to_e4m3_kernel, {"x_ptr": "*bf16", "words_ptr": "*i32",
        "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "n_blocks": "i32", "C": "constexpr", "BLOCK": "constexpr",
        "BLOCKS": "constexpr"}, {"C": 8256, "BLOCK": 1024, "BLOCKS": n}) for n in (1, 2, 8)],
-    ("unscale", fp8_sparse._unscale_kernel, {"y_ptr": "*bf16", "sr_ptr": "*fp32", "sc_ptr": "*fp32", "M": "i32",
-     "N": "i32", "BM": "constexpr", "BN": "constexpr"}, {"BM": 32, "BN": 128}),
+    *[(f"unscale out={out}", fp8_sparse._unscale_kernel, {"y_ptr": "*bf16", "out_ptr": f"*{out}", "sr_ptr": "*fp32",
+       "sc_ptr": "*fp32", "M": "i32", "N": "i32", "BM": "constexpr", "BN": "constexpr"}, {"BM": 32, "BN": 128})
+      for out in ("bf16", "fp32")],  # in place; an fp32 weight's gradient
+    # srelu24's fp32 weights in e4m3 mode: the conversions that read them
+    ("scaled_cast fp32", fp8_cast._scaled_cast_kernel, {**CAST, "x_ptr": "*fp32"},
+     {"SCALE": 0, "TRANSPOSE": False, "E5M2": False, "FMAX": 448.0, "BM": 64, "BN": 64}),
+    ("rows_to_e4m3 fp32", fp8_sparse._rows_to_e4m3_kernel, {"x_ptr": "*fp32", "out_ptr": "*u8", "scale_ptr": "*fp32",
+     "stride_x": "i32", "C": "constexpr", "BLOCK": "constexpr"}, {"C": 4096, "BLOCK": 1024}),
+    ("column_amax fp32", fp8_sparse._column_amax_kernel, {"b_ptr": "*fp32", "amax_ptr": "*i32", "K": "i32", "N": "i32",
+     "stride_k": "i32", "stride_n": "i32", "BK": "constexpr", "BN": "constexpr"},
+     dict(zip(("BK", "BN"), fp8_sparse.COLUMN_AMAX_TILE)), {"num_warps": 8}),
+    ("column_cast fp32", fp8_sparse._column_cast_kernel, {"b_ptr": "*fp32", "amax_ptr": "*i32", "out_ptr": "*u8",
+     "scale_ptr": "*fp32", "K": "i32", "N": "i32", "stride_k": "i32", "stride_n": "i32", "BK": "constexpr",
+     "BN": "constexpr"}, {"BK": 64, "BN": 64}),
+    ("rowwise_e4m3 fp32", fp8_gemm._rowwise_e4m3_kernel, {"x_ptr": "*fp32", "out_ptr": "*u8", "scale_ptr": "*fp32",
+     "inv_ptr": "*fp32", "M": "i32", "stride_m": "i32", "K": "constexpr", "BK": "constexpr", "BM": "constexpr"},
+     {"K": 4096, "BK": 4096, "BM": fp8_gemm.ROWWISE_ELEMENTS // 4096}, {"num_warps": 8}),
     *[(f"rowwise_e4m3 K={k}", fp8_gemm._rowwise_e4m3_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32",
        "inv_ptr": "*fp32", "M": "i32", "stride_m": "i32", "K": "constexpr", "BK": "constexpr", "BM": "constexpr"},
        {"K": k, "BK": triton.next_power_of_2(k), "BM": fp8_gemm.ROWWISE_ELEMENTS // triton.next_power_of_2(k)},
@@ -59,4 +74,4 @@ def test_float8_kernels_compile_for_sm90(tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 24
+    assert r.stdout.count("compiled") == 30
