@@ -91,13 +91,14 @@ def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False)
 
 
 def _weight_grad_mm(a: Tensor, dense_rows: Tensor | None, b: Tensor, e4m3: bool, out_dtype: torch.dtype,
-                    transpose_result: bool = False) -> tuple[Tensor, Tensor | None]:
+                    transpose_result: bool = False, slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(_sparse_mm(a, b, e4m3, transpose_result) in out_dtype (the weight's), dense_rows @ b or None
     in bf16): a weight gradient's 2:4 product and its dense features' exact rows, both in e4m3 where
     the 2:4 one is (from one e4m3 conversion of b, which the two share; the product written in
-    out_dtype by its unscaling pass), else in bf16 (the product cast)."""
+    out_dtype by its unscaling pass), else in bf16 (the product cast). slots (dW2): in e4m3 the
+    unscaling pass writes the dense rows into the product's columns too, and None comes back for them."""
     if e4m3 and fp8_sparse.usable(a, b):
-        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype)
+        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots)
     return sparse_mm(a, b, transpose_result).to(out_dtype), None if dense_rows is None else dense_rows @ b
 
 
@@ -175,8 +176,9 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
     has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
-    dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, e4m3, w2.dtype, transpose_result=True)
-    if has_dense:  # dw2 is [d, F], no transpose pass
+    dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, e4m3, w2.dtype, transpose_result=True,
+                                     slots=slots)
+    if dw2_dense is not None:  # dw2 is [d, F], no transpose pass (in e4m3 its columns are already written)
         write_dense_columns(dw2, slots, dw2_dense)
     dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, e4m3, w1.dtype)  # [F, d]
     if has_dense:

@@ -201,6 +201,28 @@ def test_unscale_to_fp32_is_the_in_place_bf16_result_widened(m, n):
     assert torch.equal(got.cpu().view(torch.int32), want.cpu().view(torch.int32))  # -0.0 too
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_unscale_writes_dense_columns_as_write_dense_columns(out_dtype):
+    """dW2's dense features' columns written in the unscaling pass (e4m3 mode) equal unscale followed
+    by write_dense_columns, bit for bit, in bf16 (in place) and fp32 (an fp32 weight's gradient)."""
+    from kernels.srelu24_sparsify_backward import dense_slots, write_dense_columns
+    g = torch.Generator().manual_seed(3)
+    d, f, k = 64, 300, 17  # F not a multiple of the kernel's 128 columns
+    y = torch.randn(d, f, generator=g).bfloat16().to(DEV)
+    sr = (2.0 ** torch.randint(-8, 8, (d,), generator=g).float()).to(DEV)
+    sc = (2.0 ** torch.randint(-8, 8, (f,), generator=g).float()).to(DEV)
+    dense = torch.randperm(f, generator=g)[:k].to(DEV)
+    slots = dense_slots(dense, f, DEV)[0]
+    rows = torch.randn(k, d, generator=g).bfloat16().to(DEV)
+    want = fp8_sparse.unscale(y.clone(), row_scale=sr, col_scale=sc, out_dtype=out_dtype)
+    write_dense_columns(want, slots, rows)
+    got = fp8_sparse.unscale(y.clone(), row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=(slots, rows))
+    assert got.dtype == out_dtype and torch.equal(got, want)
+    assert torch.equal(got[:, dense[0]].float(), rows[0].float())
+    with pytest.raises(ValueError, match="dense columns"):
+        fp8_sparse.unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=(slots.long(), rows))
+
+
 def test_unscale_out_of_place_leaves_its_input():
     y = torch.randn(32, 128).bfloat16().to(DEV)
     before = y.clone()
@@ -296,6 +318,13 @@ def test_sparse_and_dense_mm_share_one_conversion_of_b(transpose_result):
     y, yd = fp8_sparse.sparse_and_dense_mm(buf, rows, b, transpose_result)
     assert torch.equal(y, fp8_sparse.sparse_mm(buf, b, transpose_result))
     assert torch.equal(yd, fp8_sparse.dense_mm(rows, *fp8_sparse.kmajor_e4m3(b)))
+    if transpose_result:  # dW2: the dense rows as its columns, written in the unscaling pass
+        from kernels.srelu24_sparsify_backward import dense_slots, write_dense_columns
+        slots = dense_slots(torch.randperm(m, device="cuda")[:r], m, "cuda")[0]
+        want = y.clone()
+        write_dense_columns(want, slots, yd)
+        fused, none = fp8_sparse.sparse_and_dense_mm(buf, rows, b, True, slots=slots)
+        assert none is None and torch.equal(fused, want)
     y0, none = fp8_sparse.sparse_and_dense_mm(buf, None, b, transpose_result)
     assert none is None and torch.equal(y0, y)
     ref, ref_d = fp8_sparse.sparse_and_dense_mm_reference(buf, rows, b, transpose_result)

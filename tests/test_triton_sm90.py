@@ -33,9 +33,11 @@ kernels += [
     *[(f"compressed_to_e4m3 blocks={n}", fp8_sparse._compressed_to_e4m3_kernel, {"x_ptr": "*bf16", "words_ptr": "*i32",
        "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "n_blocks": "i32", "C": "constexpr", "BLOCK": "constexpr",
        "BLOCKS": "constexpr"}, {"C": 8256, "BLOCK": 1024, "BLOCKS": n}) for n in (1, 2, 8)],
-    *[(f"unscale out={out}", fp8_sparse._unscale_kernel, {"y_ptr": "*bf16", "out_ptr": f"*{out}", "sr_ptr": "*fp32",
-       "sc_ptr": "*fp32", "M": "i32", "N": "i32", "BM": "constexpr", "BN": "constexpr"}, {"BM": 32, "BN": 128})
-      for out in ("bf16", "fp32")],  # in place; an fp32 weight's gradient
+    *[(f"unscale out={out} dense_columns={dense}", fp8_sparse._unscale_kernel, {"y_ptr": "*bf16", "out_ptr": f"*{out}",
+       "sr_ptr": "*fp32", "sc_ptr": "*fp32", "slot_ptr": "*i32" if dense else "*bf16", "g_ptr": "*bf16", "M": "i32",
+       "N": "i32", "DENSE_COLUMNS": "constexpr", "BM": "constexpr", "BN": "constexpr"},
+       {"DENSE_COLUMNS": dense, "BM": 32, "BN": 128})
+      for out in ("bf16", "fp32") for dense in (False, True)],  # in place; an fp32 weight's gradient; dW2's dense columns
     # srelu24's fp32 weights in e4m3 mode: the conversions that read them
     ("scaled_cast fp32", fp8_cast._scaled_cast_kernel, {**CAST, "x_ptr": "*fp32"},
      {"SCALE": 0, "TRANSPOSE": False, "E5M2": False, "FMAX": 448.0, "BM": 64, "BN": 64}),
@@ -74,4 +76,4 @@ def test_float8_kernels_compile_for_sm90(tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 30
+    assert r.stdout.count("compiled") == 32
