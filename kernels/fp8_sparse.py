@@ -338,7 +338,15 @@ def dense_mm_reference(a: Tensor, b: Tensor) -> Tensor:
     return (_dequantized(a8, sa[:, None]) @ _dequantized(b8, sb[None, :])).to(torch.bfloat16)
 
 
-def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Tensor,
-                                  transpose_result: bool = False) -> tuple[Tensor, Tensor | None]:
-    return (sparse_mm_reference(buf, b, transpose_result),
-            None if dense_rows is None else dense_mm_reference(dense_rows, b))
+def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
+                                  out_dtype: torch.dtype = torch.bfloat16,
+                                  slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """What sparse_and_dense_mm computes: the product's bf16 widened to out_dtype, and with slots
+    the dense rows written as its columns."""
+    y = sparse_mm_reference(buf, b, transpose_result).to(out_dtype)
+    dense = None if dense_rows is None else dense_mm_reference(dense_rows, b)
+    if slots is None or dense is None:
+        return y, dense
+    cols = (slots >= 0).nonzero().squeeze(1)
+    y[:, cols] = dense[slots[cols].long()].t().to(out_dtype)
+    return y, None

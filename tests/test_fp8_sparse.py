@@ -307,6 +307,22 @@ def test_dense_mm_one_launch_rows_cast_as_rows_to_e4m3(k, monkeypatch):
     assert torch.equal(got, fp8_sparse.dense_mm(a, *fp8_sparse.kmajor_e4m3(b)))
 
 
+def test_the_references_dense_columns_are_write_dense_columns():
+    """sparse_and_dense_mm_reference with slots (dW2 in e4m3 mode, fp32 weights) is the product
+    widened, with the dense rows stored as its columns as write_dense_columns stores them."""
+    from kernels.srelu24_sparsify_backward import dense_slots, write_dense_columns
+    m, k, n, r = 128, 256, 64, 9
+    a, keep = sparse_bf16(m, k, 8)
+    buf = compress(a, keep)
+    rows, b = torch.randn(r, k).bfloat16(), torch.randn(k, n).bfloat16()
+    slots = dense_slots(torch.randperm(m)[:r], m, "cpu")[0]
+    y, yd = fp8_sparse.sparse_and_dense_mm_reference(buf, rows, b, True)
+    want = y.float().to(DEV)
+    write_dense_columns(want, slots.to(DEV), yd.to(DEV))
+    got, none = fp8_sparse.sparse_and_dense_mm_reference(buf, rows, b, True, torch.float32, slots)
+    assert none is None and got.dtype == torch.float32 and torch.equal(got, want.cpu())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("transpose_result", [False, True])
 def test_sparse_and_dense_mm_share_one_conversion_of_b(transpose_result):
@@ -329,6 +345,9 @@ def test_sparse_and_dense_mm_share_one_conversion_of_b(transpose_result):
     assert none is None and torch.equal(y0, y)
     ref, ref_d = fp8_sparse.sparse_and_dense_mm_reference(buf, rows, b, transpose_result)
     assert _rel(y, ref) < 1e-2 and _rel(yd, ref_d) < 1e-2
+    if transpose_result:
+        ref_fused, none = fp8_sparse.sparse_and_dense_mm_reference(buf, rows, b, True, torch.float32, slots)
+        assert none is None and ref_fused.dtype == torch.float32 and _rel(fused, ref_fused) < 1e-2
 
 
 def _ffn_outputs(x, w1, w2, dy, float8: str, sparse_float8: bool) -> list:
