@@ -11,7 +11,10 @@ id 0, torch's default, is slower than dense; benchmarks/RESULTS.md).
     product         e4m3 x e4m3 with fp32 accumulation, written as bf16 unscaled, then each
                     element times 1 / (row scale x column scale): exact, the scales being powers
                     of 2. cuSPARSELt's own per-row scaling (alpha vector) is "not supported" for
-                    e4m3 on sm90, so a pass over the output does it.
+                    e4m3 on sm90, so a pass over the output does it: in place, or into fp32 for
+                    an fp32 weight's gradient, writing dW2's dense-feature columns on the way.
+    dense features  the weight gradients' dense rows (sparse_and_dense_mm) in e4m3 as well, by
+                    cuBLAS, from the same e4m3 B.
 
 Row scales follow torchao's rowwise recipe (e4m3 everywhere, power-of-2 scales along the
 reduction dimension). `sparse_mm_reference` computes the same product from the same e4m3 values in
@@ -248,12 +251,17 @@ def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch
     dense_columns (slots [N] int32 as dense_slots numbers them, g [k, M]): y is dW2 [d, F], and
     the dense features' columns are written from g in the same pass, as write_dense_columns
     would (which reads and writes all of dW2 once more)."""
+    if not y.is_contiguous() or y.numel() >= 2**31:  # the kernel's offsets are int32
+        raise ValueError(f"unscale needs a contiguous y of fewer than 2^31 elements, got {tuple(y.shape)}, "
+                         f"strides {y.stride()}")
     out = y if out_dtype == y.dtype else torch.empty(y.shape, dtype=out_dtype, device=y.device)
     if dense_columns is not None:
         slots, g = dense_columns
-        if slots.dtype != torch.int32 or slots.shape != (y.shape[1],) or g.shape[1:] != (y.shape[0],) or not g.is_contiguous():
-            raise ValueError(f"unscale's dense columns need int32 slots [{y.shape[1]}] and contiguous g [k, {y.shape[0]}], "
-                             f"got slots {slots.dtype} {tuple(slots.shape)}, g {tuple(g.shape)}")
+        if (slots.dtype != torch.int32 or slots.shape != (y.shape[1],) or g.shape[1:] != (y.shape[0],)
+                or not g.is_contiguous() or g.dtype != y.dtype or g.device != y.device):
+            raise ValueError(f"unscale's dense columns need int32 slots [{y.shape[1]}] and contiguous g [k, {y.shape[0]}] "
+                             f"of y's dtype and device, got slots {slots.dtype} {tuple(slots.shape)}, g {g.dtype} "
+                             f"{tuple(g.shape)} on {g.device}")
     return _unscale_into(out, y, row_scale, col_scale, dense_columns)
 
 
@@ -347,6 +355,8 @@ def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Ten
     dense = None if dense_rows is None else dense_mm_reference(dense_rows, b)
     if slots is None or dense is None:
         return y, dense
+    if not transpose_result:
+        raise ValueError("sparse_and_dense_mm writes dense columns only into a transposed product (dW2 [d, F])")
     cols = (slots >= 0).nonzero().squeeze(1)
     y[:, cols] = dense[slots[cols].long()].t().to(out_dtype)
     return y, None

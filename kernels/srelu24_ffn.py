@@ -23,9 +23,10 @@ cuSPARSELt was chosen over CUTLASS's sm90 2:4 GEMM by measurement: CUTLASS was n
 these shapes and needed its own metadata layout and build (benchmarks/RESULTS.md).
 
 x in bf16 (the autocast dtype); the weights in bf16, or in e4m3 mode (float8 set, sparse_float8 on)
-in fp32 as the model keeps them: every use of a weight there is an e4m3 conversion that reads fp32,
-and the weight gradients come out in fp32, so autograd casts neither (those casts took 3 ms of a
-profiled 140 ms 7B step on the H200). Tokens are padded to 64 for the sparse operands.
+in fp32 as the model keeps them: on the fast path every use of a weight there is an e4m3
+conversion that reads fp32 (the shape fallbacks and the reuse_forward_mask=False dX cast to bf16
+inside the op), and the weight gradients come out in fp32, so autograd casts neither (those casts
+took 3 ms of a profiled 140 ms 7B step on the H200). Tokens are padded to 64 for the sparse operands.
 """
 import torch
 import torch.nn.functional as F
@@ -215,10 +216,10 @@ srelu24_ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _op_weight(w: Tensor, e4m3: bool) -> Tensor:
-    """w as the op takes it. In e4m3 mode an fp32 w goes in as it is: the op's every use of it reads
-    fp32, and it returns the gradient in fp32, which saves autograd's cast of w (forward) and of its
-    gradient (backward). Else w cast to bf16 here, outside the op: autograd returns fp32 gradients
-    to fp32 weights."""
+    """w as the op takes it. In e4m3 mode an fp32 w goes in as it is: the op's e4m3 conversions read
+    fp32 (its bf16 fallbacks cast inside), and it returns the gradient in fp32, which saves autograd's
+    cast of w (forward) and of its gradient (backward). Else w cast to bf16 here, outside the op:
+    autograd returns fp32 gradients to fp32 weights."""
     return w if e4m3 and w.dtype == torch.float32 else w.to(torch.bfloat16)
 
 

@@ -383,10 +383,10 @@ def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor) -> None:
 def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor) -> None:
     """dw2[:, f] = g[slots[f]] in place for every f with slots[f] >= 0 (dw2 [d, F], g [k, d], slots
     [F] int32 as `dense_slots` numbers them): dW2's columns of the dense features (g bf16 into an
-    fp32 dw2 widened, as write_dense_rows). Scattering the 2-byte columns (torch's indexed
-    assignment, or a Triton scatter), or rewriting only the 32-byte sectors that hold one, was slower
-    than reading and writing all of dW2 with whole lines, which costs about a copy of dW2
-    (benchmarks/RESULTS.md)."""
+    fp32 dw2 widened, as write_dense_rows; the e4m3 path writes them in its unscaling pass instead,
+    fp8_sparse.unscale). Scattering the 2-byte columns of a bf16 dW2 (torch's indexed assignment, or a
+    Triton scatter), or rewriting only the 32-byte sectors that hold one, was slower than reading and
+    writing all of dW2 with whole lines, which costs about a copy of dW2 (benchmarks/RESULTS.md)."""
     k, D = g.shape
     _check_dense_write("write_dense_columns", dw2, slots, g, (D, slots.shape[0]), (dw2.shape[1],))
     if slots.dtype != torch.int32:

@@ -27,9 +27,11 @@ BF = torch.bfloat16
 E4M3_DENSE = srelu24_ffn._weight_grad_mm
 
 
-def bf16_dense(a, dense_rows, b, e4m3, transpose_result=False):
-    """The product before: the 2:4 GEMM as now, the dense features' GEMM in bf16."""
-    return srelu24_ffn._sparse_mm(a, b, e4m3, transpose_result), None if dense_rows is None else dense_rows @ b
+def bf16_dense(a, dense_rows, b, e4m3, out_dtype, transpose_result=False, slots=None):
+    """The product before: the 2:4 GEMM as now, the dense features' GEMM in bf16 (their rows come
+    back, and the caller writes them, whether or not slots are given)."""
+    y = srelu24_ffn._sparse_mm(a, b, e4m3, transpose_result).to(out_dtype)
+    return y, None if dense_rows is None else dense_rows @ b
 
 
 def main() -> int:

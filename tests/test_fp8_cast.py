@@ -66,6 +66,12 @@ def test_scaled_cast_of_fp32_equals_torch(scale):
         want = scaled_cast_reference(t, torch.tensor(scale), dtype)
         got = scaled_cast(t.to(DEV), torch.tensor(scale).to(DEV), dtype).cpu()
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # W2's column scales for dA = dY W2, written transposed (K-major), as fp8_gemm casts an fp32 W2
+    cols = torch.full((1, 130), scale) * 2.0 ** torch.randint(-3, 4, (1, 130), generator=g).float()
+    for s in (torch.tensor(scale), cols):
+        want = scaled_cast_reference(t, s, E4M3).t().contiguous()
+        got = scaled_cast(t.to(DEV), s.to(DEV), E4M3, transpose=True).cpu()
+        assert got.shape == (130, 70) and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_scaled_cast_reads_any_strides():

@@ -350,7 +350,7 @@ def test_sparse_and_dense_mm_share_one_conversion_of_b(transpose_result):
         assert none is None and ref_fused.dtype == torch.float32 and _rel(fused, ref_fused) < 1e-2
 
 
-def _ffn_outputs(x, w1, w2, dy, float8: str, sparse_float8: bool) -> list:
+def _ffn_outputs(x, w1, w2, dy, float8: str, sparse_float8: bool, reuse_forward_mask: bool = True) -> list:
     from kernels.srelu24_ffn import srelu24_ffn_kernels
     from kernels.srelu24_reference import SReLU24Recipe
 
@@ -358,8 +358,8 @@ def _ffn_outputs(x, w1, w2, dy, float8: str, sparse_float8: bool) -> list:
         t.grad = None
     # no token permutation (the model's FFN gets its tokens permuted by the block): the runs compare
     # the same 2:4 choices along tokens, not another random order's
-    y = srelu24_ffn_kernels(x, w1, w2, SReLU24Recipe(token_permutation=False), float8=float8,
-                            sparse_float8=sparse_float8)
+    recipe = SReLU24Recipe(token_permutation=False, reuse_forward_mask=reuse_forward_mask)
+    y = srelu24_ffn_kernels(x, w1, w2, recipe, float8=float8, sparse_float8=sparse_float8)
     y.backward(dy)
     return [t.float() for t in (y, x.grad, w1.grad, w2.grad)]
 
@@ -410,7 +410,7 @@ def _recorded_weight_dtypes(monkeypatch, w_dtype, float8: str, sparse_float8: bo
 
 @pytest.mark.parametrize("float8, sparse_float8", [("none", True), ("none", False), ("rowwise", False),
                                                    ("tensorwise", False)])
-def test_the_kernel_ffn_casts_weights_to_bf16_outside_the_op_but_in_e4m3_mode(monkeypatch, float8, sparse_float8):
+def test_the_kernel_ffn_casts_weights_to_bf16_outside_the_op_except_in_e4m3_mode(monkeypatch, float8, sparse_float8):
     """The bf16 paths as before: weights cast outside the op (autograd casts their gradients back)."""
     bf16 = torch.bfloat16
     assert _recorded_weight_dtypes(monkeypatch, torch.float32, float8, sparse_float8) == (bf16, bf16, bf16)
@@ -439,7 +439,7 @@ def test_the_ops_fakes_take_fp32_weights_and_give_fp32_weight_gradients():
         K.srelu24_ffn_fwd(x, w1.half(), w2, False, 0.05, False, True, "rowwise", True)
 
 
-def _fp32_weight_runs(dev, T, d, F_, float8, representable: bool) -> tuple:
+def _fp32_weight_runs(dev, T, d, F_, float8, representable: bool, reuse_forward_mask: bool = True) -> tuple:
     """The FFN in e4m3 mode with fp32 weights, and with the same weights cast to bf16 first
     (representable: fp32 weights that hold bf16 values); (outputs, outputs) as _ffn_outputs'."""
     torch.manual_seed(1)
@@ -449,9 +449,9 @@ def _fp32_weight_runs(dev, T, d, F_, float8, representable: bool) -> tuple:
         w1, w2 = w1.bfloat16().float(), w2.bfloat16().float()
     w1, w2 = w1.requires_grad_(), w2.requires_grad_()
     dy = torch.randn(T, d, device=dev, dtype=torch.bfloat16)
-    fp32 = _ffn_outputs(x, w1, w2, dy, float8, True)
+    fp32 = _ffn_outputs(x, w1, w2, dy, float8, True, reuse_forward_mask)
     assert w1.grad.dtype == w2.grad.dtype == torch.float32
-    return fp32, _ffn_outputs(x, *_bf16_leaves(w1, w2), dy, float8, True)
+    return fp32, _ffn_outputs(x, *_bf16_leaves(w1, w2), dy, float8, True, reuse_forward_mask)
 
 
 def _bf16_leaves(*ws: torch.Tensor) -> list:
@@ -459,14 +459,16 @@ def _bf16_leaves(*ws: torch.Tensor) -> list:
 
 
 @pytest.mark.parametrize("float8", ["rowwise", "tensorwise"])
-def test_the_op_in_e4m3_mode_takes_fp32_weights_through_its_bf16_fallbacks(monkeypatch, float8):
-    """On the CPU every 2:4 GEMM is a bf16 fallback (cuSPARSELt stood in for), which casts the fp32
-    weights inside the op; fp32 weights that hold bf16 values give the bf16 weights' results exactly
-    (the weight gradients come back fp32: the bf16 ones, widened)."""
+@pytest.mark.parametrize("reuse_forward_mask", [True, False])  # False: dX by a dense bf16 GEMM with W1
+def test_the_op_in_e4m3_mode_takes_fp32_weights_through_its_bf16_fallbacks(monkeypatch, float8, reuse_forward_mask):
+    """On the CPU every 2:4 GEMM is a bf16 fallback (cuSPARSELt stood in for; like torch's op, the
+    stand-in refuses an fp32 B), which casts the fp32 weights inside the op; fp32 weights that hold
+    bf16 values give the bf16 weights' results exactly (the weight gradients come back fp32: the
+    bf16 ones, widened)."""
     from test_kernels import _cslt_stand_in
 
     _cslt_stand_in(monkeypatch)
-    fp32, bf16 = _fp32_weight_runs("cpu", 100, 64, 128, float8, representable=True)
+    fp32, bf16 = _fp32_weight_runs("cpu", 100, 64, 128, float8, True, reuse_forward_mask)
     for what, got, want in zip(("Y", "dX", "dW1", "dW2"), fp32, bf16):
         assert torch.equal(got, want), what
 

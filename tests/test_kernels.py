@@ -145,6 +145,8 @@ def test_kernel_ffn_equals_the_reference(monkeypatch, recipe):
 def _cslt_stand_in(monkeypatch):
     """torch._cslt_sparse_mm on CPU: decompress + matmul (transpose_result as torch's: (A B)^T)."""
     def cslt_stand_in(buf, b, transpose_result=False, **kw):
+        if buf.dtype != b.dtype:  # as torch's op: one dtype (an fp32 weight must be cast before)
+            raise RuntimeError(f"_cslt_sparse_mm stand-in: compressed {buf.dtype} against dense {b.dtype}")
         y = (decompress(buf, buf.shape[0], b.shape[0]).float() @ b.float()).to(torch.bfloat16)
         return y.t().contiguous() if transpose_result else y
 

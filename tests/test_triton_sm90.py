@@ -13,7 +13,7 @@ SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import fp8_cast, fp8_gemm, fp8_sparse
+from kernels import fp8_cast, fp8_gemm, fp8_sparse, srelu24_sparsify_backward
 
 CAST = {"x_ptr": "*bf16", "s_ptr": "*fp32", "out_ptr": "*u8", "M": "i32", "N": "i32", "stride_m": "i32",
         "stride_n": "i32", "SCALE": "constexpr", "TRANSPOSE": "constexpr", "E5M2": "constexpr", "FMAX": "constexpr",
@@ -39,8 +39,19 @@ kernels += [
        {"DENSE_COLUMNS": dense, "BM": 32, "BN": 128})
       for out in ("bf16", "fp32") for dense in (False, True)],  # in place; an fp32 weight's gradient; dW2's dense columns
     # srelu24's fp32 weights in e4m3 mode: the conversions that read them
-    ("scaled_cast fp32", fp8_cast._scaled_cast_kernel, {**CAST, "x_ptr": "*fp32"},
-     {"SCALE": 0, "TRANSPOSE": False, "E5M2": False, "FMAX": 448.0, "BM": 64, "BN": 64}),
+    *[(f"scaled_cast fp32 scale={sc} transpose={tr}", fp8_cast._scaled_cast_kernel, {**CAST, "x_ptr": "*fp32"},
+       {"SCALE": sc, "TRANSPOSE": tr, "E5M2": False, "FMAX": 448.0, "BM": 64, "BN": 64})
+      for sc, tr in ((0, False), (0, True), (2, True))],  # W1 tensorwise; W2's columns (dA), tensorwise and rowwise
+    ("amax_to_scale fp32", fp8_gemm._amax_to_scale_kernel, {"amax_ptr": "*fp32", "scale_ptr": "*fp32",
+     "inv_ptr": "*fp32", "n": "i32", "FMAX": "constexpr", "POW2": "constexpr", "BLOCK": "constexpr"},
+     {"FMAX": 448.0, "POW2": False, "BLOCK": 1024}),  # tensorwise's scale of an fp32 weight
+    # the bf16 fallbacks' dense features into an fp32 weight's gradient
+    ("dense_rows fp32", srelu24_sparsify_backward._dense_rows_kernel, {"w_ptr": "*fp32", "dense_ptr": "*i64",
+     "g_ptr": "*bf16", "k": "i32", "D": "i32", "BLOCK_K": "constexpr", "BLOCK_D": "constexpr"},
+     {"BLOCK_K": 32, "BLOCK_D": 128}),
+    ("dense_columns fp32", srelu24_sparsify_backward._dense_columns_kernel, {"w_ptr": "*fp32", "slot_ptr": "*i32",
+     "g_ptr": "*bf16", "D": "i32", "F": "i32", "BLOCK_D": "constexpr", "BLOCK_F": "constexpr"},
+     {"BLOCK_D": 32, "BLOCK_F": 128}),
     ("rows_to_e4m3 fp32", fp8_sparse._rows_to_e4m3_kernel, {"x_ptr": "*fp32", "out_ptr": "*u8", "scale_ptr": "*fp32",
      "stride_x": "i32", "C": "constexpr", "BLOCK": "constexpr"}, {"C": 4096, "BLOCK": 1024}),
     ("column_amax fp32", fp8_sparse._column_amax_kernel, {"b_ptr": "*fp32", "amax_ptr": "*i32", "K": "i32", "N": "i32",
@@ -76,4 +87,4 @@ def test_float8_kernels_compile_for_sm90(tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 32
+    assert r.stdout.count("compiled") == 37
