@@ -9,7 +9,6 @@ Prints: the GEMMs alone (µs), the relative difference of the dense rows (e4m3 a
 the FFN's fw+bw in interleaved rounds (ms, do_bench medians; the order reversed every other round).
 """
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels import fp8_sparse, srelu24_ffn  # noqa: E402
+from lab.patched_ab import patched_ab, patched_grads  # noqa: E402
 from scripts.bench_ffn import MODEL_RECIPE, fwbw  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 
@@ -65,23 +65,11 @@ def main() -> int:
     convert(torch.nn.ModuleDict({"ffn": m}), Float8("rowwise"), fsdp=False)
     run = fwbw(lambda x, *ws: m(x), x, list(m.parameters()), gy)
     variants = {"bf16 dense features": bf16_dense, "e4m3 dense features": E4M3_DENSE}
-    grads = {}
-    for v, impl in variants.items():
-        srelu24_ffn._weight_grad_mm = impl
-        run()
-        grads[v] = [p.grad.float().clone() for p in m.parameters()]
+    grads = patched_grads(srelu24_ffn, "_weight_grad_mm", variants, run,
+                          lambda: [p.grad.float().clone() for p in m.parameters()])
     for (name, p), g0, g1 in zip(m.named_parameters(), *grads.values()):
         print(f"{name} grad, e4m3 vs bf16 dense features: {((g1 - g0).norm() / g0.norm()).item():.5f} relative")
-    times = {v: [] for v in variants}
-    for i in range(args.rounds):
-        for v in list(variants)[::-1 if i % 2 else 1]:
-            srelu24_ffn._weight_grad_mm = variants[v]
-            times[v].append(bench(run))
-    srelu24_ffn._weight_grad_mm = E4M3_DENSE
-    for v, ms in times.items():
-        print(f"FFN fw+bw, {v}: median {statistics.median(ms):.3f} ms; rounds " + ", ".join(f"{t:.3f}" for t in ms))
-    ratios = [a / b for a, b in zip(*times.values())]
-    print(f"bf16 / e4m3 per round: median {statistics.median(ratios):.4f}x; " + ", ".join(f"{r:.4f}" for r in ratios))
+    patched_ab(srelu24_ffn, "_weight_grad_mm", variants, run, args.rounds, bench)
     return 0
 
 

@@ -9,7 +9,6 @@ Prints the gradients' relative differences and fw+bw in interleaved rounds (ms, 
 medians; the order reversed every other round).
 """
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels import srelu24_ffn  # noqa: E402
+from lab.patched_ab import patched_ab, patched_grads  # noqa: E402
 from scripts.bench_ffn import MODEL_RECIPE  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 
@@ -49,27 +49,12 @@ def main() -> int:
         y.backward(gy)
 
     variants = {"bf16 weights (cast outside)": bf16_outside, "fp32 weights into the op": FP32_IN}
-    grads = {}
-    for v, impl in variants.items():
-        srelu24_ffn._op_weight = impl
-        torch.manual_seed(0)  # the same token permutation
-        run()
-        grads[v] = [t.grad.clone() for t in (x, w1, w2)]
+    grads = patched_grads(srelu24_ffn, "_op_weight", variants, run, lambda: [t.grad.clone() for t in (x, w1, w2)])
     for name, g0, g1 in zip(("dX", "dW1", "dW2"), *grads.values()):
         print(f"{name}: dtype {g0.dtype} / {g1.dtype}; fp32-in vs bf16-outside "
               f"{((g1.float() - g0.float()).norm() / g0.float().norm()).item():.5f} relative")
     bench = lambda fn: do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
-    times = {v: [] for v in variants}
-    for i in range(args.rounds):
-        for v in list(variants)[::-1 if i % 2 else 1]:
-            srelu24_ffn._op_weight = variants[v]
-            times[v].append(bench(run))
-    srelu24_ffn._op_weight = FP32_IN
-    for v, ms in times.items():
-        print(f"FFN fw+bw, T={args.tokens}, {v}: median {statistics.median(ms):.3f} ms; rounds "
-              + ", ".join(f"{t:.3f}" for t in ms))
-    ratios = [a / b for a, b in zip(*times.values())]
-    print(f"before / after per round: median {statistics.median(ratios):.4f}x; " + ", ".join(f"{r:.4f}" for r in ratios))
+    patched_ab(srelu24_ffn, "_op_weight", variants, run, args.rounds, bench, f"FFN fw+bw, T={args.tokens}")
     return 0
 
 
