@@ -5,7 +5,8 @@ would spend six passes on `(t.float() * scale).clamp(-max, max).to(dtype)` (prof
 
 `scaled_cast(t, scale, dtype, transpose)` equals that expression bit for bit (tests/test_fp8_cast.py),
 for one scale, one per row or one per column; `transpose` writes the result transposed (K-major
-operands). `to_float8_bits` rounds (ties to even) with the GPU's conversion instruction; under
+operands). `columns_to_e4m3` casts a row-major B [K, N] with a power-of-2 scale per column, K-major
+(fp8_sparse's dense operands, fp8_gemm's rowwise W2). `to_float8_bits` rounds (ties to even) with the GPU's conversion instruction; under
 TRITON_INTERPRET, whose own float8 cast rounds wrongly, it rounds on the bits instead, which gives
 the same bytes.
 """
@@ -135,3 +136,77 @@ def scaled_cast(t: Tensor, scale: Tensor, dtype: torch.dtype, transpose: bool = 
                                   TRANSPOSE=transpose, E5M2=dtype == E5M2, FMAX=torch.finfo(dtype).max,
                                   BM=64, BN=64, num_warps=4)
     return out
+
+
+# A row-major B's column conversion, in two launches that each cover the GPU's whole width:
+# 1. column amaxes: each program reduces a COLUMN_AMAX_TILE tile of B and takes an atomic max on the
+#    bits of |b| (as int32, NaN > inf > every finite value, so a NaN survives the max);
+# 2. the cast: 64 x 64 tiles, each column's scale from its amax, written transposed (K-major).
+# One kernel with N/16 programs, each down all of K twice (the second read from HBM), took 131 us at
+# 16512 x 4096 on the H200; these two take 104 us with the amax tile 256 x 64, the best of three
+# (benchmarks/RESULTS.md, session 15). Where the amaxes come from an earlier pass over the same
+# values (fp8_gemm.rowwise_e4m3's by-product), only the cast runs.
+COLUMN_AMAX_TILE = (256, 64)
+
+
+@triton.jit
+def _column_amax_kernel(b_ptr, amax_ptr, K, N, stride_k, stride_n, BK: tl.constexpr, BN: tl.constexpr):
+    """amax_ptr[j] = max(amax_ptr[j], bits of max |b[k, j]|) over this program's BK x BN tile."""
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
+                other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr + j, tl.max(tl.abs(v).to(tl.int32, bitcast=True), 0), mask=j < N)
+
+
+@triton.jit
+def _column_cast_kernel(b_ptr, amax_ptr, out_ptr, scale_ptr, inv_ptr, K, N, stride_k, stride_n, BK: tl.constexpr,
+                        BN: tl.constexpr):
+    """out [N, K] = b [K, N] times each column's power-of-2 scale (from its amax bits), as e4m3,
+    transposed; the first row of programs also writes the scales and their reciprocals (rounded as
+    torch's)."""
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    bits = tl.load(amax_ptr + j, mask=j < N, other=0)
+    s = pow2_scale_triton(bits.to(tl.float32, bitcast=True), bits > 0x7F800000)
+    if tl.program_id(0) == 0:
+        tl.store(scale_ptr + j, s, mask=j < N)
+        tl.store(inv_ptr + j, tl.math.div_rn(tl.full([BN], 1.0, tl.float32), s), mask=j < N)
+    m = (k[:, None] < K) & (j[None, :] < N)
+    v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + j[None, :] * K + k[:, None], to_float8_bits(v * s[None, :], False), mask=m)
+
+
+def column_amax_bits(b: Tensor) -> Tensor:
+    """The bits (int32) of each column's max |b[:, j]| for b [K, N], in one launch (and a zero fill)."""
+    k, n = b.shape
+    amax = torch.zeros(n, dtype=torch.int32, device=b.device)
+    if k and n:
+        bk, bn = COLUMN_AMAX_TILE
+        _column_amax_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](b, amax, k, n, b.stride(0), b.stride(1), BK=bk,
+                                                                       BN=bn, num_warps=8)
+    return amax
+
+
+def columns_to_e4m3(b: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """b [K, N] (bf16 or fp32, any strides) cast to e4m3 with a power-of-2 scale per column (pow2_scale
+    of its amax), written K-major: (the cast [N, K] row-major, the scales [N], their reciprocals [N]).
+    amax: b's column amaxes as column_amax_bits gives them, where an earlier pass over b has them
+    (fp8_gemm.rowwise_e4m3's by-product): the cast alone, one launch and one read. Bit for bit
+    columns_to_e4m3_reference."""
+    k, n = b.shape
+    out = torch.empty(n, k, dtype=E4M3, device=b.device)
+    s, inv = torch.empty(n, dtype=torch.float32, device=b.device), torch.empty(n, dtype=torch.float32, device=b.device)
+    if n:
+        bits = column_amax_bits(b) if amax is None else amax
+        if bits.dtype != torch.int32 or bits.shape != (n,):
+            raise ValueError(f"columns_to_e4m3: amax must be int32 bits [{n}], got {bits.dtype} {tuple(bits.shape)}")
+        _column_cast_kernel[(max(triton.cdiv(k, 64), 1), triton.cdiv(n, 64))](
+            b, bits, out.view(torch.uint8), s, inv, k, n, b.stride(0), b.stride(1), BK=64, BN=64, num_warps=4)
+    return out, s, inv
+
+
+def columns_to_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:
+    """(the cast [N, K], the scales [N]) of columns_to_e4m3, in PyTorch."""
+    s = pow2_scale(b.float().abs().amax(0)) if b.shape[0] else pow2_scale(b.new_zeros(b.shape[1]))
+    return (b.float().t() * s[:, None]).to(E4M3), s

@@ -28,7 +28,8 @@ from torch import Tensor
 from . import fp8_gemm
 from .cslt_layout import check_shape_e4m3, compressed_bytes_e4m3, decompress
 from .cusparselt import cached_mm, searched_alg
-from .fp8_cast import AMAX_FLOOR, pow2_scale, pow2_scale_triton, to_float8_bits  # noqa: F401 (AMAX_FLOOR: tests)
+from .fp8_cast import (AMAX_FLOOR, columns_to_e4m3, columns_to_e4m3_reference, pow2_scale,  # noqa: F401 (AMAX_FLOOR: tests)
+                       pow2_scale_triton, to_float8_bits)
 
 E4M3 = torch.float8_e4m3fn
 @triton.jit
@@ -107,42 +108,6 @@ def _compressed_to_e4m3_kernel(x_ptr, words_ptr, out_ptr, scale_ptr, M, n_blocks
 METADATA_BLOCKS = 2
 
 
-# A row-major B's column conversion, in two launches that each cover the GPU's whole width:
-# 1. column amaxes: each program reduces a COLUMN_AMAX_TILE tile of B and takes an atomic max on the
-#    bits of |b| (as int32, NaN > inf > every finite value, so a NaN survives the max);
-# 2. the cast: 64 x 64 tiles, each column's scale from its amax, written transposed (K-major).
-# One kernel with N/16 programs, each down all of K twice (the second read from HBM), took 131 us at
-# 16512 x 4096 on the H200; these two take 104 us with the amax tile 256 x 64, the best of three
-# (benchmarks/RESULTS.md, session 15).
-COLUMN_AMAX_TILE = (256, 64)
-
-
-@triton.jit
-def _column_amax_kernel(b_ptr, amax_ptr, K, N, stride_k, stride_n, BK: tl.constexpr, BN: tl.constexpr):
-    """amax_ptr[j] = max(amax_ptr[j], bits of max |b[k, j]|) over this program's BK x BN tile."""
-    k = tl.program_id(0) * BK + tl.arange(0, BK)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
-                other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr + j, tl.max(tl.abs(v).to(tl.int32, bitcast=True), 0), mask=j < N)
-
-
-@triton.jit
-def _column_cast_kernel(b_ptr, amax_ptr, out_ptr, scale_ptr, K, N, stride_k, stride_n, BK: tl.constexpr,
-                        BN: tl.constexpr):
-    """out [N, K] = b [K, N] times each column's power-of-2 scale (from its amax bits), as e4m3,
-    transposed; the first row of programs also writes the scales."""
-    k = tl.program_id(0) * BK + tl.arange(0, BK)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    bits = tl.load(amax_ptr + j, mask=j < N, other=0)
-    s = pow2_scale_triton(bits.to(tl.float32, bitcast=True), bits > 0x7F800000)
-    if tl.program_id(0) == 0:
-        tl.store(scale_ptr + j, s, mask=j < N)
-    m = (k[:, None] < K) & (j[None, :] < N)
-    v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + j[None, :] * K + k[:, None], to_float8_bits(v * s[None, :], False), mask=m)
-
-
 def rows_to_e4m3_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     """(x [M, C] scaled per row and cast to e4m3, the row scales [M] float32)."""
     s = pow2_scale(x.float().abs().amax(1))
@@ -177,30 +142,22 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
     return out.view(E4M3).view(m, -1), scale
 
 
-def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
+def kmajor_e4m3(b: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """B [K, N] (bf16 or fp32) as e4m3 with a power-of-2 scale per column: (its [K, N] view of a K-major
     [N, K] tensor, the scales [N]): one launch for a K-major B, three (zeros, amaxes, cast) for a
-    row-major one."""
+    row-major one (fp8_cast.columns_to_e4m3), one where its column amaxes (`amax`, int32 bits) come
+    from an earlier pass over it."""
     if b.t().is_contiguous():  # the transpose of a row-major [N, K]: its rows are B's columns
+        if amax is not None:
+            raise ValueError("kmajor_e4m3 takes column amaxes for a row-major B only")
         q, s = rows_to_e4m3(b.t())
         return q.t(), s
-    k, n = b.shape
-    out = torch.empty(n, k, dtype=E4M3, device=b.device)
-    s = torch.empty(n, dtype=torch.float32, device=b.device)
-    if n and k:
-        amax = torch.zeros(n, dtype=torch.int32, device=b.device)
-        bk, bn = COLUMN_AMAX_TILE
-        _column_amax_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](b, amax, k, n, b.stride(0), b.stride(1), BK=bk,
-                                                                       BN=bn, num_warps=8)
-        _column_cast_kernel[(triton.cdiv(k, 64), triton.cdiv(n, 64))](b, amax, out.view(torch.uint8), s, k, n,
-                                                                       b.stride(0), b.stride(1), BK=64, BN=64, num_warps=4)
-    elif n:  # no rows: every amax is 0
-        s = pow2_scale(torch.zeros(n, device=b.device))
-    return out.t(), s
+    q, s, _ = columns_to_e4m3(b, amax)
+    return q.t(), s
 
 
 def kmajor_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:
-    q, s = rows_to_e4m3_reference(b.t())
+    q, s = columns_to_e4m3_reference(b)
     return q.t(), s
 
 
@@ -286,10 +243,11 @@ def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool,
     return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=dense_columns)
 
 
-def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
+def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False, b_amax: Tensor | None = None) -> Tensor:
     """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
-    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm."""
-    return _sparse_product(buf, *kmajor_e4m3(b), transpose_result)
+    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm.
+    b_amax: a row-major B's column amaxes from an earlier pass (kmajor_e4m3)."""
+    return _sparse_product(buf, *kmajor_e4m3(b, b_amax), transpose_result)
 
 
 def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
@@ -309,15 +267,15 @@ def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
 
 
 def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
-                        out_dtype: torch.dtype = torch.bfloat16,
-                        slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                        out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
+                        b_amax: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
     of B: a weight gradient's 2:4 product and its dense features' rows (kernels/srelu24_ffn.py).
     out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
     stay bf16 (dense_mm's), widened where write_dense_rows/columns store them. slots (dW2, with
     transpose_result): the dense rows go into the product's columns in its unscaling pass instead,
-    and None comes back in their place."""
-    b8, sb = kmajor_e4m3(b)
+    and None comes back in their place. b_amax: a row-major B's column amaxes (kmajor_e4m3)."""
+    b8, sb = kmajor_e4m3(b, b_amax)
     dense = None if dense_rows is None else dense_mm(dense_rows, b8, sb)
     if slots is not None and dense is not None:
         if not transpose_result:
@@ -330,8 +288,9 @@ def _dequantized(q: Tensor, s: Tensor) -> Tensor:
     return q.float() / s
 
 
-def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
-    """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied."""
+def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False, b_amax: Tensor | None = None) -> Tensor:
+    """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied
+    (b_amax, a by-product of an earlier pass, is not needed)."""
     m, k = buf.shape[0], b.shape[0]
     a8, sa = rows_to_e4m3_reference(decompress(buf, m, k))
     b8, sb = kmajor_e4m3_reference(b)
@@ -347,8 +306,8 @@ def dense_mm_reference(a: Tensor, b: Tensor) -> Tensor:
 
 
 def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
-                                  out_dtype: torch.dtype = torch.bfloat16,
-                                  slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                                  out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
+                                  b_amax: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """What sparse_and_dense_mm computes: the product's bf16 widened to out_dtype, and with slots
     the dense rows written as its columns."""
     y = sparse_mm_reference(buf, b, transpose_result).to(out_dtype)

@@ -322,6 +322,34 @@ def test_rowwise_kernel_equals_the_pytorch_path_for_every_bf16_amax(k):
         assert torch.equal(bits(g_)[~nan], bits(w)[~nan]), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 300])
+def test_rowwise_kernel_takes_column_amaxes_from_the_same_read(monkeypatch, dtype, m):
+    """rowwise_e4m3 with column_amax (srelu24's X, dY and W1: their column scales for the backward):
+    the cast, scales and reciprocals unchanged, and the bits of each column's max |t| as
+    fp8_cast.column_amax_bits gives them (a NaN column's NaN among them), added to what the buffer
+    held; each program loops over several row blocks (here 4 programs)."""
+    from kernels.fp8_cast import column_amax_bits
+    monkeypatch.setattr(fp8, "_programs", lambda device: 4)
+    g = torch.Generator().manual_seed(m)
+    t = (torch.randn(m, 1024, generator=g) * torch.logspace(-4, 4, 1024)[None, :]).to(dtype)
+    t[m // 2, 5] = float("nan")
+    amax = torch.zeros(1024, dtype=torch.int32)
+    amax[9] = 0x7F000000  # a larger maximum already there stays
+    got = fp8.rowwise_e4m3(t, column_amax=amax)
+    plain = fp8.rowwise_e4m3(t)
+    for a, b in zip(got, plain):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    want = column_amax_bits(t)
+    want[9] = 0x7F000000
+    assert torch.equal(amax, want) and amax[5] > 0x7F800000  # NaN: its bits above inf's
+    via_torch = torch.zeros(1024, dtype=torch.int32)
+    fp8.to_float8(t, fp8.E4M3, 1, True, cross_amax=via_torch)  # the CPU path computes them in PyTorch
+    want[9] = column_amax_bits(t)[9]
+    assert torch.equal(via_torch[via_torch <= 0x7F800000], want[via_torch <= 0x7F800000])
+    assert via_torch[5] > 0x7F800000
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -356,9 +384,9 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
     _cslt_stand_in(monkeypatch)
     calls, real = [], fp8.mm
 
-    def recording(a, b, r, grad=False):
+    def recording(a, b, r, grad=False, **amaxes):  # rowwise: the casts' column amaxes for the backward
         calls.append((tuple(a.shape), tuple(b.shape), r, grad))
-        return real(a, b, r, grad)
+        return real(a, b, r, grad, **amaxes)
 
     monkeypatch.setattr(fp8, "mm", recording)
     g = torch.Generator().manual_seed(4)
@@ -472,6 +500,23 @@ def test_fp8_mm_on_cuda_equals_its_reference(recipe, grad, m, k, n):
     got, want = fp8.mm(a, b, recipe, grad), fp8.mm_reference(a, b, recipe, grad)
     assert got.dtype == torch.bfloat16 and rel(got, want) < 1e-2
     assert rel(want, a.float() @ b.float()) > 2e-2  # float8's error is far above the tolerance
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rowwise_column_scales_of_a_row_major_b_on_cuda(dtype):
+    """dA = dY W2's B (W2 [d, F] row-major, scales per column): on a GPU fp8_cast.columns_to_e4m3, the
+    cast written K-major. bf16: torchao's bytes and scales (the PyTorch path's) bit for bit. fp32:
+    the largest power-of-2 scales that fit, which torchao's float32 log2 exceeds 2x for rare amaxes."""
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(512, 384, generator=g) * torch.logspace(-3, 2, 384)[None, :]).to(dtype)
+    q, s, inv = fp8.to_float8(w.cuda(), fp8.E4M3, 0, True, column_major=True)
+    want_q, want_s, want_inv = fp8.to_float8(w, fp8.E4M3, 0, True, column_major=True)
+    assert q.shape == (512, 384) and q.t().is_contiguous() and s.shape == inv.shape == (1, 384)
+    same = (s.cpu() == want_s)[0]
+    assert same.all() if dtype == torch.bfloat16 else same.float().mean() > 0.95
+    assert torch.equal(q.cpu()[:, same].view(torch.uint8), want_q[:, same].view(torch.uint8))
+    assert torch.equal(inv.cpu(), 1 / s.cpu()) and (w.abs().amax(0) * s.cpu()[0] <= 448).all()
 
 
 @pytest.mark.gpu
