@@ -144,8 +144,7 @@ def scaled_cast(t: Tensor, scale: Tensor, dtype: torch.dtype, transpose: bool = 
 # 2. the cast: 64 x 64 tiles, each column's scale from its amax, written transposed (K-major).
 # One kernel with N/16 programs, each down all of K twice (the second read from HBM), took 131 us at
 # 16512 x 4096 on the H200; these two take 104 us with the amax tile 256 x 64, the best of three
-# (benchmarks/RESULTS.md, session 15). Where the amaxes come from an earlier pass over the same
-# values (fp8_gemm.rowwise_e4m3's by-product), only the cast runs.
+# (benchmarks/RESULTS.md, session 15).
 COLUMN_AMAX_TILE = (256, 64)
 
 
@@ -188,21 +187,17 @@ def column_amax_bits(b: Tensor) -> Tensor:
     return amax
 
 
-def columns_to_e4m3(b: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def columns_to_e4m3(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """b [K, N] (bf16 or fp32, any strides) cast to e4m3 with a power-of-2 scale per column (pow2_scale
     of its amax), written K-major: (the cast [N, K] row-major, the scales [N], their reciprocals [N]).
-    amax: b's column amaxes as column_amax_bits gives them, where an earlier pass over b has them
-    (fp8_gemm.rowwise_e4m3's by-product): the cast alone, one launch and one read. Bit for bit
-    columns_to_e4m3_reference."""
+    Bit for bit columns_to_e4m3_reference."""
     k, n = b.shape
     out = torch.empty(n, k, dtype=E4M3, device=b.device)
     s, inv = torch.empty(n, dtype=torch.float32, device=b.device), torch.empty(n, dtype=torch.float32, device=b.device)
     if n:
-        bits = column_amax_bits(b) if amax is None else amax
-        if bits.dtype != torch.int32 or bits.shape != (n,):
-            raise ValueError(f"columns_to_e4m3: amax must be int32 bits [{n}], got {bits.dtype} {tuple(bits.shape)}")
         _column_cast_kernel[(max(triton.cdiv(k, 64), 1), triton.cdiv(n, 64))](
-            b, bits, out.view(torch.uint8), s, inv, k, n, b.stride(0), b.stride(1), BK=64, BN=64, num_warps=4)
+            b, column_amax_bits(b), out.view(torch.uint8), s, inv, k, n, b.stride(0), b.stride(1), BK=64, BN=64,
+            num_warps=4)
     return out, s, inv
 
 

@@ -98,133 +98,87 @@ def amax_to_scale(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor
 
 
 @triton.jit
-def _rowwise_e4m3_kernel(x_ptr, out_ptr, scale_ptr, inv_ptr, kamax_ptr, M, stride_m, K: tl.constexpr, BK: tl.constexpr,
-                         BM: tl.constexpr, ITERS: tl.constexpr, K_AMAX: tl.constexpr):
-    """Rowwise's e4m3 cast of ITERS blocks of BM rows of x [M, K] (bf16 or fp32, rows contiguous), one
-    block after the other, each row whole in registers: its amax, the power-of-2 scale
-    (fp8_cast.pow2_scale: torchao's for a bf16 amax; 0 for an inf amax, as torchao's 448 / inf), the
-    row scaled and cast, and 1 / scale. One read of x, one launch: the amax reduction, the scale
-    kernel and the cast were three launches and two reads. K_AMAX: also each column's max |x| over
-    the program's rows, as bits, into kamax_ptr by one atomic max per column (the column scales a
-    later GEMM needs, from the same read)."""
+def _rowwise_e4m3_kernel(x_ptr, out_ptr, scale_ptr, inv_ptr, M, stride_m, K: tl.constexpr, BK: tl.constexpr,
+                         BM: tl.constexpr):
+    """Rowwise's e4m3 cast of BM rows of x [M, K] (bf16 or fp32, rows contiguous), each row whole in
+    registers: its amax, the power-of-2 scale (fp8_cast.pow2_scale: torchao's for a bf16 amax; 0 for
+    an inf amax, as torchao's 448 / inf), the row scaled and cast, and 1 / scale. One read of x, one
+    launch: the amax reduction, the scale kernel and the cast were three launches and two reads."""
+    i = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.arange(0, BK)
-    col = tl.zeros([BK], dtype=tl.int32)
-    for it in range(ITERS):
-        i = (tl.program_id(0) * ITERS + it) * BM + tl.arange(0, BM)
-        live = (i[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + i[:, None] * stride_m + k[None, :], mask=live, other=0.0).to(tl.float32)
-        ax = tl.abs(x)
-        amax = tl.max(ax, 1)
-        nan = tl.max((x != x).to(tl.int32), 1) > 0
-        inf = amax.to(tl.int32, bitcast=True) == 0x7F800000  # by its bits: fp32 has finite values above 3.4e38
-        s = tl.where(inf & ~nan, 0.0, pow2_scale_triton(amax, nan))
-        tl.store(scale_ptr + i, s, mask=i < M)
-        tl.store(inv_ptr + i, tl.math.div_rn(tl.full([BM], 1.0, tl.float32), s), mask=i < M)
-        q = to_float8_bits(tl.clamp(x * s[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), False)
-        tl.store(out_ptr + i[:, None] * K + k[None, :], q, mask=live)
-        if K_AMAX:  # on the bits: NaN > inf > every finite value, so a NaN survives the max
-            col = tl.maximum(col, tl.max(ax.to(tl.int32, bitcast=True), 0))
-    if K_AMAX:
-        tl.atomic_max(kamax_ptr + k, col, mask=k < K)
+    live = (i[:, None] < M) & (k[None, :] < K)
+    x = tl.load(x_ptr + i[:, None] * stride_m + k[None, :], mask=live, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    nan = tl.max((x != x).to(tl.int32), 1) > 0
+    inf = amax.to(tl.int32, bitcast=True) == 0x7F800000  # by its bits: fp32 has finite values above 3.4e38
+    s = tl.where(inf & ~nan, 0.0, pow2_scale_triton(amax, nan))
+    tl.store(scale_ptr + i, s, mask=i < M)
+    tl.store(inv_ptr + i, tl.math.div_rn(tl.full([BM], 1.0, tl.float32), s), mask=i < M)
+    q = to_float8_bits(tl.clamp(x * s[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), False)
+    tl.store(out_ptr + i[:, None] * K + k[None, :], q, mask=live)
 
 
 ROWWISE_ELEMENTS = 16384  # a program's rows x K (registers: 64 values a thread at 8 warps)
-# With column amaxes, programs per SM: each program loops over row blocks and ends with K atomic
-# maxes, so fewer programs mean fewer atomics (2 per SM: about 1M at W1's [16512, 4096]).
-AMAX_PROGRAMS_PER_SM = 2
 
 
-def _programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, several row blocks each
-    return AMAX_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def rowwise_e4m3(t: Tensor, column_amax: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor] | None:
+def rowwise_e4m3(t: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     """to_float8(t, E4M3, 1, pow2=True) for t [M, K] with contiguous rows, in one Triton launch: (the
     cast [M, K], scale [M, 1], 1 / scale [M, 1]); None where a row does not fit one program.
     For an fp32 t (srelu24's fp32 W1 in e4m3 mode) the scale is the largest power of 2 that fits,
     which torchao's exceeds 2x where its float32 log2 rounds up (amaxes a few ulps above 1.75 2^e;
     it then clamps that value to 448): dequantized, the same values but for that one and those in
-    e4m3's subnormal range. column_amax: an int32 [K] buffer (zeros, or maxima to add to) that
-    also takes each column's max |t[:, k]| as its bits (fp8_cast.column_amax_bits'), from the same
-    read: srelu24's backward needs X's, dY's and W1's column scales."""
+    e4m3's subnormal range."""
     m, k = t.shape
     bk = triton.next_power_of_2(k)
     if t.stride(1) != 1 or bk > ROWWISE_ELEMENTS or not m:
         return None
-    if column_amax is not None and (column_amax.dtype != torch.int32 or column_amax.shape != (k,)):
-        raise ValueError(f"rowwise_e4m3: column_amax must be int32 [{k}], got {column_amax.dtype} "
-                         f"{tuple(column_amax.shape)}")
     out = torch.empty(m, k, dtype=E4M3, device=t.device)
     scale, inv = torch.empty(m, 1, dtype=torch.float32, device=t.device), torch.empty(m, 1, dtype=torch.float32,
                                                                                       device=t.device)
     bm = ROWWISE_ELEMENTS // bk
-    blocks = triton.cdiv(m, bm)
-    iters = 1 if column_amax is None else triton.cdiv(blocks, _programs(t.device))
-    _rowwise_e4m3_kernel[(triton.cdiv(blocks, iters),)](t, out.view(torch.uint8), scale, inv,
-                                                        column_amax if column_amax is not None else scale, m,
-                                                        t.stride(0), K=k, BK=bk, BM=bm, ITERS=iters,
-                                                        K_AMAX=column_amax is not None, num_warps=8)
+    _rowwise_e4m3_kernel[(triton.cdiv(m, bm),)](t, out.view(torch.uint8), scale, inv, m, t.stride(0), K=k, BK=bk, BM=bm,
+                                                num_warps=8)
     return out, scale, inv
 
 
-def _amax_bits_into(cross_amax: Tensor, t: Tensor, dim: int) -> None:
-    """cross_amax = max(cross_amax, bits of t's max |t| along dim), in PyTorch (rowwise_e4m3's by-product
-    where its one launch does not run)."""
-    # the sign bit cleared: a NaN that amax computes may carry one (x86's default NaN)
-    bits = t.abs().amax(dim).float().view(torch.int32) & 0x7FFFFFFF if t.shape[dim] else torch.zeros_like(cross_amax)
-    torch.maximum(cross_amax, bits, out=cross_amax)
-
-
-def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool = False,
-              cross_amax: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(t * scale cast to dtype, scale, 1 / scale): amax over `dim` (kept as size 1; None: the whole
     tensor), as torchao's hp_tensor_to_float8_dynamic. column_major: the cast laid out column-major.
-    cross_amax (int32 bits, zeros or maxima to add to): also the amaxes along the other dim (for
-    dim=1, each column's over the rows), from the same read where rowwise_e4m3 runs.
     On a GPU, rowwise e4m3 runs in one launch where the amax runs along t's rows, and in two
     (fp8_cast.columns_to_e4m3, cast K-major) along the columns of a row-major t (srelu24's W2 for
-    dA = dY W2): its scales keep the amax's exponent, torchao's for a bf16 amax (an fp32 one: as
-    rowwise_e4m3's), and a column with an inf becomes NaN (torchao: 0 but the inf, which is NaN)."""
+    dA = dY W2; the PyTorch path took 193 against 164 µs for an fp32 7B W2 on the H200, and 5-8
+    launches more for its fp32 amax's scale): its scales keep the amax's exponent, torchao's for a
+    bf16 amax (an fp32 one: as rowwise_e4m3's), and a column holding an inf becomes NaN (torchao's:
+    0 but the inf, which is NaN)."""
     if t.is_cuda and pow2 and dtype == E4M3 and dim is not None:
         rows = t.t() if dim == 0 else t
         if (dim == 1) != column_major and rows.stride(1) == 1:  # the cast's layout is rows' own
-            fused = rowwise_e4m3(rows, cross_amax)
+            fused = rowwise_e4m3(rows)
             if fused is not None:
                 q, scale, inv = fused
                 return (q.t(), scale.t(), inv.t()) if dim == 0 else fused
-        if dim == 0 and column_major and t.stride(1) == 1 and cross_amax is None:
+        if dim == 0 and column_major and t.stride(1) == 1:  # per column of a row-major t, written K-major
             q, scale, inv = columns_to_e4m3(t)
             return q.t(), scale[None, :], inv[None, :]
-    if cross_amax is not None:
-        _amax_bits_into(cross_amax, t, 0 if dim == 1 else 1)
     inf = float("inf")  # the largest |t|, in one pass (no |t| tensor)
     amax = torch.linalg.vector_norm(t, inf) if dim is None else torch.linalg.vector_norm(t, inf, dim=dim, keepdim=True)
     scale, inv = amax_to_scale(amax, torch.finfo(dtype).max, pow2)
     return _cast(t, scale, dtype, column_major), scale, inv
 
 
-def _operands(a: Tensor, b: Tensor, recipe: str, grad: bool, a_amax: Tensor | None = None,
-              b_amax: Tensor | None = None):
+def _operands(a: Tensor, b: Tensor, recipe: str, grad: bool):
     """a, b in float8 and the reciprocals of their scales (what _scaled_mm multiplies by)."""
     r = RECIPES[recipe]
     # a [M, K] scaled per row, b [K, N] per column: both along K, the reduction
-    a8, _, ia = to_float8(a, r.grad_dtype if grad else E4M3, 1 if r.rowwise else None, r.pow2_scales,
-                          cross_amax=a_amax)
-    b8, _, ib = to_float8(b, E4M3, 0 if r.rowwise else None, r.pow2_scales, column_major=True,  # _scaled_mm's B
-                          cross_amax=b_amax)
+    a8, _, ia = to_float8(a, r.grad_dtype if grad else E4M3, 1 if r.rowwise else None, r.pow2_scales)
+    b8, _, ib = to_float8(b, E4M3, 0 if r.rowwise else None, r.pow2_scales, column_major=True)  # _scaled_mm's B
     return a8, ia, b8, ib
 
 
-def mm(a: Tensor, b: Tensor, recipe: str, grad: bool = False, *, a_amax: Tensor | None = None,
-       b_amax: Tensor | None = None) -> Tensor:
+def mm(a: Tensor, b: Tensor, recipe: str, grad: bool = False) -> Tensor:
     """a [M, K] @ b [K, N] in float8, bf16 out. grad: `a` is an output gradient (dA = dY W2):
-    torchao's gradient dtype and exact accumulation; else e4m3 and fast accumulation (forward).
-    a_amax [K], b_amax [K] (int32 bits, zero-filled): also each k's max |a[:, k]| and max |b[k, :]|,
-    by-products of the casts where they run in one launch (rowwise), else a pass of their own:
-    srelu24's backward takes its column scales of X, dY and W1 from them."""
-    a8, sa, b8, sb = _operands(a.contiguous(), b, recipe, grad, a_amax, b_amax)
+    torchao's gradient dtype and exact accumulation; else e4m3 and fast accumulation (forward)."""
+    a8, sa, b8, sb = _operands(a.contiguous(), b, recipe, grad)
     return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=not grad)
 
 

@@ -142,17 +142,14 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
     return out.view(E4M3).view(m, -1), scale
 
 
-def kmajor_e4m3(b: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
     """B [K, N] (bf16 or fp32) as e4m3 with a power-of-2 scale per column: (its [K, N] view of a K-major
     [N, K] tensor, the scales [N]): one launch for a K-major B, three (zeros, amaxes, cast) for a
-    row-major one (fp8_cast.columns_to_e4m3), one where its column amaxes (`amax`, int32 bits) come
-    from an earlier pass over it."""
+    row-major one (fp8_cast.columns_to_e4m3)."""
     if b.t().is_contiguous():  # the transpose of a row-major [N, K]: its rows are B's columns
-        if amax is not None:
-            raise ValueError("kmajor_e4m3 takes column amaxes for a row-major B only")
         q, s = rows_to_e4m3(b.t())
         return q.t(), s
-    q, s, _ = columns_to_e4m3(b, amax)
+    q, s, _ = columns_to_e4m3(b)
     return q.t(), s
 
 
@@ -243,11 +240,10 @@ def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool,
     return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=dense_columns)
 
 
-def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False, b_amax: Tensor | None = None) -> Tensor:
+def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
     """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
-    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm.
-    b_amax: a row-major B's column amaxes from an earlier pass (kmajor_e4m3)."""
-    return _sparse_product(buf, *kmajor_e4m3(b, b_amax), transpose_result)
+    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm."""
+    return _sparse_product(buf, *kmajor_e4m3(b), transpose_result)
 
 
 def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
@@ -267,15 +263,15 @@ def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
 
 
 def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
-                        out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
-                        b_amax: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                        out_dtype: torch.dtype = torch.bfloat16,
+                        slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
     of B: a weight gradient's 2:4 product and its dense features' rows (kernels/srelu24_ffn.py).
     out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
     stay bf16 (dense_mm's), widened where write_dense_rows/columns store them. slots (dW2, with
     transpose_result): the dense rows go into the product's columns in its unscaling pass instead,
-    and None comes back in their place. b_amax: a row-major B's column amaxes (kmajor_e4m3)."""
-    b8, sb = kmajor_e4m3(b, b_amax)
+    and None comes back in their place."""
+    b8, sb = kmajor_e4m3(b)
     dense = None if dense_rows is None else dense_mm(dense_rows, b8, sb)
     if slots is not None and dense is not None:
         if not transpose_result:
@@ -288,9 +284,8 @@ def _dequantized(q: Tensor, s: Tensor) -> Tensor:
     return q.float() / s
 
 
-def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False, b_amax: Tensor | None = None) -> Tensor:
-    """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied
-    (b_amax, a by-product of an earlier pass, is not needed)."""
+def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
+    """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied."""
     m, k = buf.shape[0], b.shape[0]
     a8, sa = rows_to_e4m3_reference(decompress(buf, m, k))
     b8, sb = kmajor_e4m3_reference(b)
@@ -306,8 +301,8 @@ def dense_mm_reference(a: Tensor, b: Tensor) -> Tensor:
 
 
 def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
-                                  out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
-                                  b_amax: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                                  out_dtype: torch.dtype = torch.bfloat16,
+                                  slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """What sparse_and_dense_mm computes: the product's bf16 widened to out_dtype, and with slots
     the dense rows written as its columns."""
     y = sparse_mm_reference(buf, b, transpose_result).to(out_dtype)

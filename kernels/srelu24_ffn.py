@@ -18,9 +18,6 @@ Same function as kernels.srelu24_reference.srelu24_ffn (its reference), GEMM by 
               the dense features' GEMMs in e4m3 where the 2:4 ones are, sharing their B;
               dW2 comes out of cuSPARSELt as [d, F] (column-major result), dX's rows are
               gathered back to token order
-    float8 rowwise with e4m3 2:4: the forward's rowwise casts of X and W1 also give the column
-              amaxes of X (dW1's B) and W1 (dX's B), the backward's cast of dY those of dY (dW2's B),
-              so those three conversions read their input once instead of twice
 
 cuSPARSELt was chosen over CUTLASS's sm90 2:4 GEMM by measurement: CUTLASS was not faster at
 these shapes and needed its own metadata layout and build (benchmarks/RESULTS.md).
@@ -87,52 +84,36 @@ def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool) -> Tensor:
     return a @ _bf16(b) if float8 == "none" else fp8_gemm.mm(a, b, float8, grad)
 
 
-def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False,
-               b_amax: Tensor | None = None) -> Tensor:
-    """sparse_mm, in e4m3 where asked and the shapes allow it (rows and reduction multiples of 64;
-    b_amax: a row-major b's column amaxes, fp8_sparse.kmajor_e4m3)."""
+def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False) -> Tensor:
+    """sparse_mm, in e4m3 where asked and the shapes allow it (rows and reduction multiples of 64)."""
     if e4m3 and fp8_sparse.usable(a, b):
-        return fp8_sparse.sparse_mm(a, b, transpose_result, b_amax)
+        return fp8_sparse.sparse_mm(a, b, transpose_result)
     return sparse_mm(a, _bf16(b), transpose_result)
 
 
 def _weight_grad_mm(a: Tensor, dense_rows: Tensor | None, b: Tensor, e4m3: bool, out_dtype: torch.dtype,
-                    transpose_result: bool = False, slots: Tensor | None = None,
-                    b_amax: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                    transpose_result: bool = False, slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(_sparse_mm(a, b, e4m3, transpose_result) in out_dtype (the weight's), dense_rows @ b or None
     in bf16): a weight gradient's 2:4 product and its dense features' exact rows, both in e4m3 where
-    the 2:4 one is (from one e4m3 conversion of b, which the two share, with b's column amaxes
-    b_amax where an earlier pass has them; the product written in out_dtype by its unscaling pass),
-    else in bf16 (the product cast). slots (dW2): in e4m3 the unscaling pass writes the dense rows
-    into the product's columns too, and None comes back for them."""
+    the 2:4 one is (from one e4m3 conversion of b, which the two share; the product written in
+    out_dtype by its unscaling pass), else in bf16 (the product cast). slots (dW2): in e4m3 the
+    unscaling pass writes the dense rows into the product's columns too, and None comes back for them."""
     if e4m3 and fp8_sparse.usable(a, b):
-        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots, b_amax)
+        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots)
     return sparse_mm(a, b, transpose_result).to(out_dtype), None if dense_rows is None else dense_rows @ b
-
-
-def _column_amaxes(x: Tensor, float8: str, sparse_float8: bool) -> Tensor:
-    """Zeros for the column amaxes of X and W1 [2, d] that the forward's rowwise casts fill (e4m3 2:4
-    under rowwise), else an empty tensor: the backward then computes them itself."""
-    rows = 2 if float8 == "rowwise" and sparse_float8 else 0
-    return torch.zeros(rows, x.shape[1], dtype=torch.int32, device=x.device)
 
 
 @torch.library.custom_op("srelu24::srelu24_ffn_fwd", mutates_args=())
 def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dense_feature_fraction: float,
                     token_permutation: bool, reuse_forward_mask: bool,
-                    float8: str = "none", sparse_float8: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    float8: str = "none", sparse_float8: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d], what the backward reads (`keeps_a24`: compressed A24 [padded_rows(T), 9F/16],
     else Z [T, F]), kept non-zeros per feature [F] int32, the statistics row [N_SUMS] float64,
-    empty unless collect_stats, the column amaxes of X and W1 as int32 bits [2, d] (rowwise with
-    e4m3 2:4; else empty)). The last two switches are the backward's, passed here so that the op's
-    inputs hold the whole recipe."""
+    empty unless collect_stats). The last two switches are the backward's, passed here so that
+    the op's inputs hold the whole recipe."""
     _check_dtypes("srelu24_ffn_fwd", w1, w2, x=x)
     T = x.shape[0]
-    amaxes = _column_amaxes(x, float8, sparse_float8)
-    if amaxes.numel():  # the rowwise casts of X and W1 also take their column amaxes (no second read later)
-        z = fp8_gemm.mm(x, w1.t(), float8, a_amax=amaxes[0], b_amax=amaxes[1])
-    else:
-        z = _dense_mm(x, w1.t(), float8, grad=False)
+    z = _dense_mm(x, w1.t(), float8, grad=False)
     # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
     totals = torch.zeros(3, dtype=torch.float64, device=z.device) if collect_stats else None
     buf, counts = srelu_sparsify_2to4(z, totals=totals)
@@ -140,7 +121,7 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
     # the row only on logged steps; otherwise an empty tensor (no launch on the hot path)
     row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))
-    return y, buf if keeps_a24(x, w1, reuse_forward_mask) else z, counts, row, amaxes
+    return y, buf if keeps_a24(x, w1, reuse_forward_mask) else z, counts, row
 
 
 @srelu24_ffn_fwd.register_fake
@@ -151,8 +132,7 @@ def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse
     saved = (x.new_empty(padded_rows(T), F_ * 9 // 16) if keeps_a24(x, w1, reuse_forward_mask)
              else x.new_empty(T, F_))
     return (x.new_empty(T, w2.shape[0]), saved, x.new_empty(F_, dtype=torch.int32),
-            x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64),
-            x.new_empty(2 if float8 == "rowwise" and sparse_float8 else 0, x.shape[1], dtype=torch.int32))
+            x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64))
 
 
 def keeps_a24(x: Tensor, w1: Tensor, reuse_forward_mask: bool) -> bool:
@@ -166,20 +146,15 @@ def keeps_a24(x: Tensor, w1: Tensor, reuse_forward_mask: bool) -> bool:
 def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
                     token_permutation: bool, dense_feature_fraction: float,
                     reuse_forward_mask: bool, float8: str = "none",
-                    sparse_float8: bool = True, amaxes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    sparse_float8: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(dX in bf16, dW1 and dW2 in their weights' dtypes). saved: the forward's compressed A24 or Z
-    (srelu24_ffn_fwd); amaxes: its column amaxes of X and W1 (or None or empty: computed here)."""
+    (srelu24_ffn_fwd)."""
     _check_dtypes("srelu24_ffn_bwd", w1, w2, x=x, saved=saved)
     T, F_ = x.shape[0], w1.shape[0]
     from_a24 = saved.shape[1] != F_  # A24 is [padded T, 9F/16]
     dy = dy.to(torch.bfloat16).contiguous()
     e4m3 = float8 != "none" and sparse_float8
-    x_amax, w1_amax = (amaxes[0], amaxes[1]) if amaxes is not None and amaxes.numel() else (None, None)
-    dy_amax = torch.zeros(dy.shape[1], dtype=torch.int32, device=dy.device) if x_amax is not None else None
-    if dy_amax is not None:  # dY's rowwise cast also takes its column amaxes (dW2's B)
-        da = fp8_gemm.mm(dy, w2, float8, grad=True, a_amax=dy_amax)  # [T, F] dense
-    else:
-        da = _dense_mm(dy, w2, float8, grad=True)
+    da = _dense_mm(dy, w2, float8, grad=True)              # [T, F] dense
     perm = random_token_order(T, x.device) if token_permutation else None
     dense = densest_from_counts(counts, dense_feature_fraction)
     slots = dense_slots(dense, F_, x.device)[0] if dense is not None else None
@@ -190,7 +165,7 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
         dz_buf, (s_a, a_dense), (s_dz, dz_dense) = backward_operands(saved, da, perm, dense, reuse_forward_mask,
                                                                      slots=slots)
     if reuse_forward_mask:
-        dx = _sparse_mm(dz_buf, w1, e4m3, b_amax=w1_amax)[:T]
+        dx = _sparse_mm(dz_buf, w1, e4m3)[:T]
         if perm is not None:  # back to token order: a gather by the inverse (a scatter took 3x as long)
             inverse = torch.empty_like(perm)
             inverse[perm] = torch.arange(T, device=perm.device, dtype=perm.dtype)
@@ -201,15 +176,12 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
-    # the column amaxes of the forward's (backward's) rowwise casts hold for dY's and X's permuted,
-    # padded copies as well: the same values, and zeros
     has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
     dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, e4m3, w2.dtype, transpose_result=True,
-                                     slots=slots, b_amax=dy_amax)
+                                     slots=slots)
     if dw2_dense is not None:  # dw2 is [d, F], no transpose pass (in e4m3 its columns are already written)
         write_dense_columns(dw2, slots, dw2_dense)
-    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, e4m3, w1.dtype,
-                                     b_amax=x_amax)  # [F, d]
+    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, e4m3, w1.dtype)  # [F, d]
     if has_dense:
         write_dense_rows(dw1, dense, dw1_dense)
     return dx.contiguous(), dw1.contiguous(), dw2
@@ -217,26 +189,26 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
 
 @srelu24_ffn_bwd.register_fake
 def _(dy, x, w1, w2, saved, counts, token_permutation, dense_feature_fraction, reuse_forward_mask, float8="none",
-      sparse_float8=True, amaxes=None):
+      sparse_float8=True):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
 
 
 def _setup_context(ctx, inputs, output):
     (x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask, ctx.float8,
      ctx.sparse_float8) = inputs
-    _, saved, counts, _, amaxes = output
-    ctx.save_for_backward(x, w1, w2, saved, counts, amaxes)
+    _, saved, counts, _ = output
+    ctx.save_for_backward(x, w1, w2, saved, counts)
     # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
     # for them before the backward, a memset of [T, F] per layer that buys nothing (benchmarks/RESULTS.md)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts, the row and the amaxes do not
+def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts and the row do not
     if dy is None:  # Y unused by the loss (grads are not materialised)
         return (None,) * 9
-    x, w1, w2, saved, counts, amaxes = ctx.saved_tensors
+    x, w1, w2, saved, counts = ctx.saved_tensors
     dx, dw1, dw2 = srelu24_ffn_bwd(dy, x, w1, w2, saved, counts, ctx.token_permutation, ctx.dense_feature_fraction,
-                                   ctx.reuse_forward_mask, ctx.float8, ctx.sparse_float8, amaxes)
+                                   ctx.reuse_forward_mask, ctx.float8, ctx.sparse_float8)
     return dx, dw1, dw2, None, None, None, None, None, None
 
 
@@ -258,9 +230,9 @@ def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe
     set, the 2:4 GEMMs in e4m3 as well (row-wise power-of-2 scales, kernels/fp8_sparse.py)."""
     shape = x.shape
     e4m3 = float8 != "none" and sparse_float8
-    y, _, _, row, _ = srelu24_ffn_fwd(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, e4m3),
-                                      _op_weight(w2, e4m3), stats is not None, recipe.dense_feature_fraction,
-                                      recipe.token_permutation, recipe.reuse_forward_mask, float8, sparse_float8)
+    y, _, _, row = srelu24_ffn_fwd(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, e4m3),
+                                   _op_weight(w2, e4m3), stats is not None, recipe.dense_feature_fraction,
+                                   recipe.token_permutation, recipe.reuse_forward_mask, float8, sparse_float8)
     if stats is not None:
         stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])

@@ -305,7 +305,7 @@ def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
             dense = fwbw(lambda x, a, b: F.linear(F.relu(F.linear(x, a)).square(), b), x, [w1, w2], gy)
             buf, _ = srelu_sparsify_2to4(F.linear(x, w1).detach())
             xd, w1d, w2d = x.detach(), w1.detach(), w2.detach()
-            y, saved, counts, _, _ = srelu24_ffn_fwd(xd, w1d, w2d, False, 0.05, True, True)
+            y, saved, counts, _ = srelu24_ffn_fwd(xd, w1d, w2d, False, 0.05, True, True)
             z = F.linear(xd, w1d)
             perm = torch.randperm(t, device="cuda")
             da = gy @ w2d

@@ -322,34 +322,6 @@ def test_rowwise_kernel_equals_the_pytorch_path_for_every_bf16_amax(k):
         assert torch.equal(bits(g_)[~nan], bits(w)[~nan]), name
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 300])
-def test_rowwise_kernel_takes_column_amaxes_from_the_same_read(monkeypatch, dtype, m):
-    """rowwise_e4m3 with column_amax (srelu24's X, dY and W1: their column scales for the backward):
-    the cast, scales and reciprocals unchanged, and the bits of each column's max |t| as
-    fp8_cast.column_amax_bits gives them (a NaN column's NaN among them), added to what the buffer
-    held; each program loops over several row blocks (here 4 programs)."""
-    from kernels.fp8_cast import column_amax_bits
-    monkeypatch.setattr(fp8, "_programs", lambda device: 4)
-    g = torch.Generator().manual_seed(m)
-    t = (torch.randn(m, 1024, generator=g) * torch.logspace(-4, 4, 1024)[None, :]).to(dtype)
-    t[m // 2, 5] = float("nan")
-    amax = torch.zeros(1024, dtype=torch.int32)
-    amax[9] = 0x7F000000  # a larger maximum already there stays
-    got = fp8.rowwise_e4m3(t, column_amax=amax)
-    plain = fp8.rowwise_e4m3(t)
-    for a, b in zip(got, plain):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    want = column_amax_bits(t)
-    want[9] = 0x7F000000
-    assert torch.equal(amax, want) and amax[5] > 0x7F800000  # NaN: its bits above inf's
-    via_torch = torch.zeros(1024, dtype=torch.int32)
-    fp8.to_float8(t, fp8.E4M3, 1, True, cross_amax=via_torch)  # the CPU path computes them in PyTorch
-    want[9] = column_amax_bits(t)[9]
-    assert torch.equal(via_torch[via_torch <= 0x7F800000], want[via_torch <= 0x7F800000])
-    assert via_torch[5] > 0x7F800000
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -384,9 +356,9 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
     _cslt_stand_in(monkeypatch)
     calls, real = [], fp8.mm
 
-    def recording(a, b, r, grad=False, **amaxes):  # rowwise: the casts' column amaxes for the backward
+    def recording(a, b, r, grad=False):
         calls.append((tuple(a.shape), tuple(b.shape), r, grad))
-        return real(a, b, r, grad, **amaxes)
+        return real(a, b, r, grad)
 
     monkeypatch.setattr(fp8, "mm", recording)
     g = torch.Generator().manual_seed(4)

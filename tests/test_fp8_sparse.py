@@ -223,20 +223,6 @@ def test_unscale_writes_dense_columns_as_write_dense_columns(out_dtype):
         fp8_sparse.unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=(slots.long(), rows))
 
 
-def test_kmajor_e4m3_takes_column_amaxes_for_a_row_major_b_only():
-    """A row-major B (X, dY, W1) with its column amaxes from an earlier pass: the same bytes and
-    scales as without (the amax launch skipped); a K-major B has no use for them."""
-    from kernels.fp8_cast import column_amax_bits
-    g = torch.Generator().manual_seed(12)
-    b = (torch.randn(128, 96, generator=g) * torch.logspace(-3, 3, 96)[None, :]).bfloat16().to(DEV)
-    want_q, want_s = fp8_sparse.kmajor_e4m3(b)
-    q, s = fp8_sparse.kmajor_e4m3(b, column_amax_bits(b))
-    assert q.t().is_contiguous() and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(s, want_s)
-    with pytest.raises(ValueError, match="row-major B only"):
-        fp8_sparse.kmajor_e4m3(b.t().contiguous().t(), column_amax_bits(b))
-
-
 def test_unscale_out_of_place_leaves_its_input():
     y = torch.randn(32, 128).bfloat16().to(DEV)
     before = y.clone()
@@ -413,7 +399,7 @@ def _recorded_weight_dtypes(monkeypatch, w_dtype, float8: str, sparse_float8: bo
 
     def recording(x, w1, w2, *args):
         seen.append((x.dtype, w1.dtype, w2.dtype))
-        return x.new_zeros(x.shape[0], w2.shape[0]), x, x, x.new_empty(0, dtype=torch.float64), x
+        return x.new_zeros(x.shape[0], w2.shape[0]), x, x, x.new_empty(0, dtype=torch.float64)
 
     monkeypatch.setattr(K, "srelu24_ffn_fwd", recording)
     x = torch.randn(2, 8, 16)
@@ -444,11 +430,9 @@ def test_the_ops_fakes_take_fp32_weights_and_give_fp32_weight_gradients():
     T, d, F_ = 100, 64, 128
     x = torch.empty(T, d, dtype=torch.bfloat16, device="meta")
     w1, w2 = torch.empty(F_, d, device="meta"), torch.empty(d, F_, device="meta")
-    y, saved, counts, _, amaxes = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, False, True, "rowwise", True)
+    y, saved, counts, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, False, True, "rowwise", True)
     assert y.dtype == saved.dtype == torch.bfloat16 and y.shape == (T, d)
-    assert amaxes.dtype == torch.int32 and amaxes.shape == (2, d)  # X's and W1's column amaxes for the backward
-    dx, dw1, dw2 = K.srelu24_ffn_bwd(torch.empty_like(y), x, w1, w2, saved, counts, False, 0.05, True, "rowwise", True,
-                                     amaxes)
+    dx, dw1, dw2 = K.srelu24_ffn_bwd(torch.empty_like(y), x, w1, w2, saved, counts, False, 0.05, True, "rowwise", True)
     assert dx.dtype == torch.bfloat16 and dw1.dtype == dw2.dtype == torch.float32
     assert dw1.shape == w1.shape and dw2.shape == w2.shape
     with pytest.raises(ValueError, match="bf16 or fp32 weights"):
@@ -505,41 +489,3 @@ def test_srelu24_ffn_in_e4m3_takes_fp32_weights_as_their_bf16_casts(float8, T):
                 assert torch.equal(got, want), what
             else:
                 assert _rel(got, want) < 0.1, f"{what}: {_rel(got, want):.4f}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("token_permutation", [False, True])
-def test_srelu24_ffn_takes_the_rowwise_casts_column_amaxes_bit_for_bit(monkeypatch, w_dtype, token_permutation):
-    """Under rowwise, the column amaxes of X, W1 (forward) and dY (backward) that the rowwise casts
-    take on the way: the same outputs and gradients, bit for bit, as with the backward's own amax
-    passes (the op without them), with the token permutation too (a column's amax ignores row order)."""
-    import kernels.srelu24_ffn as K
-    from kernels.srelu24_reference import SReLU24Recipe
-
-    torch.manual_seed(2)
-    T, d, F_ = 512, 256, 1024
-    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w1 = (torch.randn(F_, d, device="cuda") * d ** -0.5).to(w_dtype).requires_grad_()
-    w2 = (torch.randn(d, F_, device="cuda") * F_ ** -0.5).to(w_dtype).requires_grad_()
-    dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
-
-    def run():
-        for t in (x, w1, w2):
-            t.grad = None
-        torch.manual_seed(3)  # the same token order
-        y = K.srelu24_ffn_kernels(x, w1, w2, SReLU24Recipe(token_permutation=token_permutation), float8="rowwise")
-        y.backward(dy)
-        return [t.detach().clone() for t in (y, x.grad, w1.grad, w2.grad)]
-
-    seen = []
-    real = fp8_sparse.kmajor_e4m3
-    monkeypatch.setattr(fp8_sparse, "kmajor_e4m3", lambda b, amax=None: seen.append(amax is not None) or real(b, amax))
-    fused = run()
-    assert seen.count(True) == 3  # dX's W1, dW2's dY, dW1's X
-    monkeypatch.setattr(K, "_column_amaxes", lambda x, float8, sparse_float8: x.new_empty(0, x.shape[1], dtype=torch.int32))
-    seen.clear()
-    own = run()
-    assert not any(seen)
-    for what, a, b in zip(("Y", "dX", "dW1", "dW2"), fused, own):
-        assert a.dtype == b.dtype and torch.equal(a, b), what

@@ -164,7 +164,7 @@ def test_kernel_ops_pass_torch_library_opcheck(monkeypatch):
     w2 = (torch.randn(64, 128, generator=g) / 11).bfloat16().requires_grad_()
     for stats in (False, True):  # no token permutation here: opcheck replays the backward
         torch.library.opcheck(K.srelu24_ffn_fwd, (x, w1, w2, stats, 0.05, False, True))
-    y, z, counts, _, _ = K.srelu24_ffn_fwd(x.detach(), w1.detach(), w2.detach(), False, 0.05, False, True)
+    y, z, counts, _ = K.srelu24_ffn_fwd(x.detach(), w1.detach(), w2.detach(), False, 0.05, False, True)
     torch.library.opcheck(K.srelu24_ffn_bwd, (torch.randn_like(y), x.detach(), w1.detach(), w2.detach(), z, counts,
                                               False, 0.05, True))
 
@@ -375,11 +375,11 @@ def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
     x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16) / 16
     w2 = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16) / 32
-    _, saved, _, _, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, True, True)
+    _, saved, _, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, True, True)
     want = srelu_sparsify_2to4(x @ w1.t())[0]
     assert saved.shape == (padded_rows(1000), 1024 * 9 // 16) and torch.equal(saved.view(torch.int16),
                                                                              want.view(torch.int16))
-    _, saved, _, _, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, True, False)  # the ablation's backward reads Z
+    _, saved, _, _ = K.srelu24_ffn_fwd(x, w1, w2, False, 0.05, True, False)  # the ablation's backward reads Z
     assert saved.shape == (1000, 1024)
 
 
