@@ -519,8 +519,12 @@ def test_srelu24_kernels_in_float8_on_cuda_follow_bf16(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_compiled_float8_training_on_cuda_follows_bf16(kind, recipe):
     """build_model as the trainer runs it (compile, bf16 autocast), 20 AdamW steps over 4 fixed
-    batches: the float8 loss follows bf16's (first step within 1%, the last five within 2% on
-    average). srelu24 in its 2:4 phase."""
+    batches: the float8 loss follows bf16's (first step within 1%; the last five on average no more
+    than 2% above bf16's). srelu24 in its 2:4 phase. The late check is one-sided: 20 steps of
+    memorising random tokens amplify any rounding difference, and the float8 curve lands on either
+    side of bf16's by seed (srelu24 tensorwise: -2.65%, -1.02%, +1.08% for seeds 8-10, on the H200;
+    lab/probe_float8_loss_seeds.py), while a broken float8 path trains worse. Wrong gradients show
+    at the first step, where no trajectory hides them: test_float8_first_step_gradients_on_cuda."""
     from training.optim import build_optimizer
 
     cfg = ModelConfig(name="t", dim=512, n_layers=4, n_heads=8, swiglu_hidden=1536, max_seq_len=512)
@@ -539,4 +543,29 @@ def test_compiled_float8_training_on_cuda_follows_bf16(kind, recipe):
     ref, got = losses[Float8.none], losses[recipe]
     assert ref[-1] < ref[0] - 0.4, (got, ref)  # it learns (bf16 fell 7.04 -> 6.43 on an H200)
     assert abs(got[0] - ref[0]) / ref[0] < 0.01 and got != ref, (got, ref)
-    assert abs(sum(got[-5:]) - sum(ref[-5:])) / sum(ref[-5:]) < 0.02, (got, ref)
+    assert sum(got[-5:]) < 1.02 * sum(ref[-5:]), (got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["swiglu", "srelu24"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_first_step_gradients_on_cuda(kind, recipe):
+    """One step of the model in float8 (eager, bf16 autocast; srelu24 in its 2:4 phase, fp32 weights
+    into its e4m3 op) against bf16: every parameter's gradient within 35% of bf16's (relative norm),
+    the median within 25%. On the H200 the worst was 0.24 and the median 0.20 for srelu24
+    tensorwise (2:4 choices flipped by float8's rounding); a wrong gradient is off by order 1."""
+    cfg = ModelConfig(name="t", dim=512, n_layers=4, n_heads=8, swiglu_hidden=1536, max_seq_len=512)
+    batch = torch.randint(0, 1024, (8, 257), generator=torch.Generator().manual_seed(8)).cuda()
+    grads = {}
+    for r in (Float8.none, recipe):
+        model, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=kind), 1024),
+                               TrainerConfig(float8=r, compile=False, device="cuda"), Dist(device=torch.device("cuda")),
+                               0, False)
+        model.set_2to4(kind == "srelu24")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(batch[:, :-1], batch[:, 1:]).backward()
+        grads[r] = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    ref, got = grads[Float8.none], grads[recipe]
+    assert got.keys() == ref.keys()
+    dist = sorted(rel(got[n], ref[n]) for n in ref)
+    assert 0 < dist[len(dist) // 2] < 0.25 and dist[-1] < 0.35, dist
