@@ -12,7 +12,10 @@ torchao's own). Its 2:4 GEMMs are kernels/fp8_sparse.py's.
 scale = fp8 max / max(amax, 1e-12) (float64, then float32: torchao's amax_to_scale; on a GPU one
 Triton launch computes it and its reciprocal); values are scaled in fp32, saturated to +-max and
 cast (on a GPU in one Triton pass, kernels/fp8_cast.py, which also writes B column-major);
-torch._scaled_mm takes the scales' reciprocals and writes bf16.
+torch._scaled_mm takes the scales' reciprocals and writes bf16. On a GPU, rowwise's scales come
+from the amax's bits instead (fp8_cast.pow2_scale, the largest power of 2 with amax * s <= 448):
+the same as torchao's for a bf16 amax; for an fp32 one, half of torchao's where its float32 log2
+rounds up.
 `mm_reference` computes the same product from the same float8 values in fp32.
 
 Needs a GPU of compute capability >= 8.9 (training/float8.py checks); torch's CPU _scaled_mm
@@ -147,9 +150,9 @@ def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool
     On a GPU, rowwise e4m3 runs in one launch where the amax runs along t's rows, and in two
     (fp8_cast.columns_to_e4m3, cast K-major) along the columns of a row-major t (srelu24's W2 for
     dA = dY W2; the PyTorch path took 193 against 164 µs for an fp32 7B W2 on the H200, and 5-8
-    launches more for its fp32 amax's scale): its scales keep the amax's exponent, torchao's for a
-    bf16 amax (an fp32 one: as rowwise_e4m3's), and a column holding an inf becomes NaN (torchao's:
-    0 but the inf, which is NaN)."""
+    launches more for its fp32 amax's scale): its scales are pow2_scale of the amax, torchao's for a
+    bf16 amax (an fp32 one: as rowwise_e4m3's), and a column holding an inf becomes NaN (torchao's,
+    and rowwise_e4m3's for a row: scale 0, so 0 but the inf, which is NaN; non-finite either way)."""
     if t.is_cuda and pow2 and dtype == E4M3 and dim is not None:
         rows = t.t() if dim == 0 else t
         if (dim == 1) != column_major and rows.stride(1) == 1:  # the cast's layout is rows' own

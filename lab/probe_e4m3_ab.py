@@ -91,13 +91,13 @@ def main() -> None:
     for k, n in ((F, D), (T, D)):
         b = torch.randn(k, n, device="cuda", dtype=BF)
         want = new.kmajor_e4m3(b)
-        for tile in (new.COLUMN_AMAX_TILE, (512, 64), (256, 32), (512, 32), (1024, 64), (128, 64)):
-            def launch(tile=tile):
-                new.COLUMN_AMAX_TILE, keep = tile, new.COLUMN_AMAX_TILE
+        for tile in (new_cast.COLUMN_AMAX_TILE, (512, 64), (256, 32), (512, 32), (1024, 64), (128, 64)):
+            def launch(tile=tile):  # column_amax_bits reads the tile at each call
+                new_cast.COLUMN_AMAX_TILE, keep = tile, new_cast.COLUMN_AMAX_TILE
                 try:
                     return new.kmajor_e4m3(b)
                 finally:
-                    new.COLUMN_AMAX_TILE = keep
+                    new_cast.COLUMN_AMAX_TILE = keep
             eq = same(launch(), want)
             t = us(launch)
             print(f"| {k}x{n} | {tile[0]} x {tile[1]} | {eq} | {t:.1f} | {b.numel() * 3 / t / 1e3:.0f} |", flush=True)

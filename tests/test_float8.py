@@ -487,6 +487,7 @@ def test_rowwise_column_scales_of_a_row_major_b_on_cuda(dtype):
     assert q.shape == (512, 384) and q.t().is_contiguous() and s.shape == inv.shape == (1, 384)
     same = (s.cpu() == want_s)[0]
     assert same.all() if dtype == torch.bfloat16 else same.float().mean() > 0.95
+    assert torch.equal(2 * s.cpu()[0][~same], want_s[0][~same])  # where torchao's log2 rounds up
     assert torch.equal(q.cpu()[:, same].view(torch.uint8), want_q[:, same].view(torch.uint8))
     assert torch.equal(inv.cpu(), 1 / s.cpu()) and (w.abs().amax(0) * s.cpu()[0] <= 448).all()
 
@@ -520,11 +521,12 @@ def test_srelu24_kernels_in_float8_on_cuda_follow_bf16(recipe):
 def test_compiled_float8_training_on_cuda_follows_bf16(kind, recipe):
     """build_model as the trainer runs it (compile, bf16 autocast), 20 AdamW steps over 4 fixed
     batches: the float8 loss follows bf16's (first step within 1%; the last five on average no more
-    than 2% above bf16's). srelu24 in its 2:4 phase. The late check is one-sided: 20 steps of
-    memorising random tokens amplify any rounding difference, and the float8 curve lands on either
-    side of bf16's by seed (srelu24 tensorwise: -2.65%, -1.02%, +1.08% for seeds 8-10, on the H200;
-    lab/probe_float8_loss_seeds.py), while a broken float8 path trains worse. Wrong gradients show
-    at the first step, where no trajectory hides them: test_float8_first_step_gradients_on_cuda."""
+    than 2% above bf16's, nor 5% below). srelu24 in its 2:4 phase. The late bounds are lopsided:
+    20 steps of memorising random tokens amplify any rounding difference, and the float8 curve
+    lands on either side of bf16's by seed (srelu24 tensorwise: -2.65%, -1.02%, +1.08% for seeds
+    8-10, on the H200; lab/probe_float8_loss_seeds.py), while a broken float8 path trains worse.
+    Wrong gradients show at the first step, where no trajectory hides them:
+    test_float8_first_step_gradients_on_cuda."""
     from training.optim import build_optimizer
 
     cfg = ModelConfig(name="t", dim=512, n_layers=4, n_heads=8, swiglu_hidden=1536, max_seq_len=512)
@@ -543,7 +545,8 @@ def test_compiled_float8_training_on_cuda_follows_bf16(kind, recipe):
     ref, got = losses[Float8.none], losses[recipe]
     assert ref[-1] < ref[0] - 0.4, (got, ref)  # it learns (bf16 fell 7.04 -> 6.43 on an H200)
     assert abs(got[0] - ref[0]) / ref[0] < 0.01 and got != ref, (got, ref)
-    assert sum(got[-5:]) < 1.02 * sum(ref[-5:]), (got, ref)
+    # no more than 2% above bf16's; below it by seed, and far below only if something is off
+    assert 0.95 * sum(ref[-5:]) < sum(got[-5:]) < 1.02 * sum(ref[-5:]), (got, ref)
 
 
 @pytest.mark.gpu
