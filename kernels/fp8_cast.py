@@ -6,9 +6,9 @@ would spend six passes on `(t.float() * scale).clamp(-max, max).to(dtype)` (prof
 `scaled_cast(t, scale, dtype, transpose)` equals that expression bit for bit (tests/test_fp8_cast.py),
 for one scale, one per row or one per column; `transpose` writes the result transposed (K-major
 operands). `columns_to_e4m3` casts a row-major B [K, N] with a power-of-2 scale per column,
-K-major (fp8_sparse's dense operands, fp8_gemm's rowwise W2). `to_float8_bits` rounds (ties to even) with the GPU's conversion instruction; under
-TRITON_INTERPRET, whose own float8 cast rounds wrongly, it rounds on the bits instead, which gives
-the same bytes.
+K-major (fp8_sparse's dense operands, fp8_gemm's rowwise W2). `to_float8_bits` rounds (ties to
+even) with the GPU's conversion instruction; under TRITON_INTERPRET, whose own float8 cast rounds
+wrongly, it rounds on the bits instead, which gives the same bytes.
 """
 import torch
 import triton
