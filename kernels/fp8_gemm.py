@@ -169,19 +169,30 @@ def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool
     return _cast(t, scale, dtype, column_major), scale, inv
 
 
-def _operands(a: Tensor, b: Tensor, recipe: str, grad: bool):
+def b_operand(b: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
+    """b [K, N] as _scaled_mm's B: in e4m3, column-major, scaled per column (rowwise) or as a whole,
+    and the reciprocal of its scale. mm's conversion of b, on its own so that a weight's can be kept
+    (kernels/weight_casts.py)."""
+    r = RECIPES[recipe]
+    b8, _, ib = to_float8(b, E4M3, 0 if r.rowwise else None, r.pow2_scales, column_major=True)
+    return b8, ib
+
+
+def _operands(a: Tensor, b: Tensor, recipe: str, grad: bool, b_float8=None):
     """a, b in float8 and the reciprocals of their scales (what _scaled_mm multiplies by)."""
     r = RECIPES[recipe]
     # a [M, K] scaled per row, b [K, N] per column: both along K, the reduction
     a8, _, ia = to_float8(a, r.grad_dtype if grad else E4M3, 1 if r.rowwise else None, r.pow2_scales)
-    b8, _, ib = to_float8(b, E4M3, 0 if r.rowwise else None, r.pow2_scales, column_major=True)  # _scaled_mm's B
+    b8, ib = b_float8 if b_float8 is not None else b_operand(b, recipe)
     return a8, ia, b8, ib
 
 
-def mm(a: Tensor, b: Tensor, recipe: str, grad: bool = False) -> Tensor:
+def mm(a: Tensor, b: Tensor, recipe: str, grad: bool = False,
+       b_float8: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """a [M, K] @ b [K, N] in float8, bf16 out. grad: `a` is an output gradient (dA = dY W2):
-    torchao's gradient dtype and exact accumulation; else e4m3 and fast accumulation (forward)."""
-    a8, sa, b8, sb = _operands(a.contiguous(), b, recipe, grad)
+    torchao's gradient dtype and exact accumulation; else e4m3 and fast accumulation (forward).
+    b_float8: b_operand(b, recipe), where the caller has it already."""
+    a8, sa, b8, sb = _operands(a.contiguous(), b, recipe, grad, b_float8)
     return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=not grad)
 
 

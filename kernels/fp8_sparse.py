@@ -240,10 +240,12 @@ def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool,
     return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=dense_columns)
 
 
-def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
+def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False,
+              b_e4m3: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
-    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm."""
-    return _sparse_product(buf, *kmajor_e4m3(b), transpose_result)
+    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm.
+    b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's: kernels/weight_casts.py)."""
+    return _sparse_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), transpose_result)
 
 
 def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
@@ -284,8 +286,9 @@ def _dequantized(q: Tensor, s: Tensor) -> Tensor:
     return q.float() / s
 
 
-def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
-    """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied."""
+def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False, b_e4m3=None) -> Tensor:
+    """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied.
+    b_e4m3 is not read: the reference converts b itself."""
     m, k = buf.shape[0], b.shape[0]
     a8, sa = rows_to_e4m3_reference(decompress(buf, m, k))
     b8, sb = kmajor_e4m3_reference(b)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import fp8_gemm, fp8_sparse
+from . import fp8_gemm, fp8_sparse, weight_casts
 from .cusparselt import cached_mm, searched_alg, torch_mm
 from .ffn_stats import N_SUMS, srelu24_sums_from_counts
 from .srelu24_reference import SReLU24Recipe, densest_from_counts, random_token_order
@@ -80,14 +80,21 @@ def _bf16(w: Tensor) -> Tensor:
     return w.to(torch.bfloat16)
 
 
+# _dense_mm's and _sparse_mm's b is a weight (W1^T, W2): its conversion is kept across the micro-batches
+# of an optimizer step where the trainer asks for it (kernels/weight_casts.py; fp32 weights only)
+
 def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool) -> Tensor:
-    return a @ _bf16(b) if float8 == "none" else fp8_gemm.mm(a, b, float8, grad)
+    if float8 == "none":
+        return a @ _bf16(b)
+    b8 = weight_casts.converted(f"dense {float8}", b, lambda: fp8_gemm.b_operand(b, float8))
+    return fp8_gemm.mm(a, b, float8, grad, b_float8=b8)
 
 
 def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False) -> Tensor:
     """sparse_mm, in e4m3 where asked and the shapes allow it (rows and reduction multiples of 64)."""
     if e4m3 and fp8_sparse.usable(a, b):
-        return fp8_sparse.sparse_mm(a, b, transpose_result)
+        b8 = weight_casts.converted("sparse e4m3", b, lambda: fp8_sparse.kmajor_e4m3(b))
+        return fp8_sparse.sparse_mm(a, b, transpose_result, b_e4m3=b8)
     return sparse_mm(a, _bf16(b), transpose_result)
 
 

@@ -25,7 +25,9 @@ Gradients are allocated during the backward as the activations are freed, so wit
 accumulation the peak is the larger of (start of the backward: weights + AdamW + activations +
 transient) and (the optimizer step: weights + AdamW + gradients). With accumulation (the trainer's
 batch_size > micro_batch_size x world size) the gradients of the earlier micro-batches are there
-throughout.
+throughout, and so, for srelu24 with trainer.float8 and its 2:4 GEMMs in e4m3 on fp32 weights (no
+FSDP), are its kept e4m3 weight conversions (kernels/weight_casts.py): 4 bytes per FFN weight
+element, until the optimizer step.
 
 The two per-token constants of the transients (16 bytes per d, 8 per parameter) and the 20 bytes
 per d of the block's kept activations are calibrated against torch.cuda.max_memory_allocated of
@@ -44,7 +46,7 @@ import torch
 from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim
 
 from .checkpoint import checkpoint_bytes
-from .config import ActivationCheckpointing, Config, Strategy, TrainerConfig
+from .config import ActivationCheckpointing, Config, Float8, Strategy, TrainerConfig
 
 GiB = 2 ** 30
 # calibrated (see the docstring): bytes per token and model dimension
@@ -52,6 +54,7 @@ RESIDUAL_BACKWARD_BYTES_PER_D = 16   # a block's backward: fp32 incoming gradien
 BLOCK_GRAD_TRANSIENT_BYTES = 8       # per parameter of the block in backward, beside its fp32 .grad
 FFN_KEPT = {"swiglu": 3.0, "srelu": 2.0}  # bf16 hidden-sized tensors kept for the backward
 A24_OF_Z = 9 / 16                    # srelu24's compressed A24 against Z: half the values + 2 bits each
+KEPT_CONVERSIONS = "srelu24's kept e4m3 weight conversions"
 
 
 @dataclass
@@ -130,11 +133,15 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
              + RESIDUAL_BACKWARD_BYTES_PER_D * (act // 2) * d * T + (per_block if n_ckpt else 0))
     e.transient = "loss head backward" if head >= block else "block backward"
     e.parts[f"largest transient ({e.transient})"] = int(max(head, block))
+    if grad_accumulation and sparse_2to4 and not fsdp and t.float8 != Float8.none and fcfg.sparse_float8:
+        # the e4m3 conversions of W1 and W2 (4 per layer, 1 byte each), held over the micro-batches
+        e.parts[KEPT_CONVERSIONS] = 4 * 2 * d * ffn_hidden_dim(mcfg, fcfg) * L
 
-    resident = sum(v for k, v in e.parts.items() if k not in ("gradients (fp32)", "activations")
+    resident = sum(v for k, v in e.parts.items() if k not in ("gradients (fp32)", "activations", KEPT_CONVERSIONS)
                    and not k.startswith("largest transient"))
     backward = resident + e.parts["activations"] + max(head, block) + (e.parts["gradients (fp32)"]
                                                                         if grad_accumulation else 0)
+    backward += e.parts.get(KEPT_CONVERSIONS, 0)
     step = resident + e.parts["gradients (fp32)"]
     e.peak, e.peak_phase = (int(backward), "backward") if backward >= step else (int(step), "optimizer step")
     return e

@@ -1,8 +1,9 @@
 """One optimizer step, top to bottom: the function the trainer's loop calls and
 scripts/bench_step.py times, so that the benchmark measures what training runs.
 
-    sparsity switch -> LR -> micro-batches (forward, backward, gradient accumulation)
-    -> clip -> non-finite check -> AdamW (-> float8 scales) -> statistics (logged steps only)
+    sparsity switch -> LR -> micro-batches (forward, backward, gradient accumulation; srelu24's
+    e4m3 weight conversions kept across them) -> clip -> non-finite check -> AdamW (-> float8 scales)
+    -> statistics (logged steps only)
 
 The non-finite check: one process, nonfinite=skip and a fused Adam/AdamW skip on the device (the
 optimizer's found_inf), with no host sync; the count of skipped steps is read back on logged steps
@@ -18,6 +19,8 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import Tensor, nn
+
+from kernels.weight_casts import reuse_within_step
 
 from .distributed import Dist, agree, clip_grad_norm, local, sum_over_ranks
 from .errors import TrainingError
@@ -113,18 +116,21 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
         group["lr"] = lr
 
     loss_sum, data_s = torch.zeros((), device=d.device), 0.0
-    for micro in range(p.accum):
-        t0 = time.perf_counter()
-        x, y = next_batch()
-        data_s += time.perf_counter() - t0
-        mark("data")
-        with grad_sync(p.train_module, last=micro == p.accum - 1):
-            with p.autocast():
-                loss = p.train_module(x, y)
-            mark("forward")
-            (loss / p.accum).backward()  # DDP / FSDP average the gradients over ranks
-            mark("backward")
-        loss_sum += loss.detach()
+    # the weights stand still until the optimizer step: srelu24's e4m3 conversions of them are made
+    # by the first micro-batch and reused by the others, then dropped (kernels/weight_casts.py)
+    with reuse_within_step(enabled=p.accum > 1):
+        for micro in range(p.accum):
+            t0 = time.perf_counter()
+            x, y = next_batch()
+            data_s += time.perf_counter() - t0
+            mark("data")
+            with grad_sync(p.train_module, last=micro == p.accum - 1):
+                with p.autocast():
+                    loss = p.train_module(x, y)
+                mark("forward")
+                (loss / p.accum).backward()  # DDP / FSDP average the gradients over ranks
+                mark("backward")
+            loss_sum += loss.detach()
 
     grad_norm = clip_grad_norm(p.params, p.grad_clip if p.grad_clip > 0 else math.inf)  # global over ranks
     if p.skip_on_device:
