@@ -160,11 +160,12 @@ def kmajor_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:
 
 @triton.jit
 def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, M, N, DENSE_COLUMNS: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr):
+                    ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """out [M, N] = y (bf16) times 1 / sr[i], then 1 / sc[j], in out's dtype (out may be y: in place):
     the reciprocals rounded as torch's (div_rn; exact for powers of 2, NaN for NaN), so no launches
     for them. DENSE_COLUMNS: out is dW2 [d, F], and a dense feature's column j (slot[j] >= 0) is
-    g [k, d]'s row slot[j] instead, as write_dense_columns would store it, in the same pass."""
+    g [k, d]'s row slot[j] instead, as write_dense_columns would store it, in the same pass.
+    ACCUMULATE: out += that instead (a weight's .grad: kernels/grads_in_place.py)."""
     i = tl.program_id(0) * BM + tl.arange(0, BM)
     j = tl.program_id(1) * BN + tl.arange(0, BN)
     m = (i[:, None] < M) & (j[None, :] < N)
@@ -178,16 +179,18 @@ def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, M, N, DENSE
         dense = (slot >= 0)[None, :]
         g = tl.load(g_ptr + slot[None, :].to(tl.int64) * M + i[:, None], mask=m & dense, other=0.0).to(tl.float32)
         v = tl.where(dense, g, v)
+    if ACCUMULATE:
+        v = tl.load(out_ptr + offs, mask=m, other=0.0).to(tl.float32) + v
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _unscale_into(out: Tensor, y: Tensor, row_scale: Tensor, col_scale: Tensor,
-                  dense_columns: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                  dense_columns: tuple[Tensor, Tensor] | None = None, accumulate: bool = False) -> Tensor:
     m, n = y.shape
     slots, g = dense_columns if dense_columns is not None else (y, y)  # unread without DENSE_COLUMNS
     _unscale_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](y, out, row_scale, col_scale, slots, g, m, n,
-                                                               DENSE_COLUMNS=dense_columns is not None, BM=32,
-                                                               BN=128, num_warps=4)
+                                                               DENSE_COLUMNS=dense_columns is not None,
+                                                               ACCUMULATE=accumulate, BM=32, BN=128, num_warps=4)
     return out
 
 
@@ -198,17 +201,24 @@ def unscale_(y: Tensor, *, row_scale: Tensor, col_scale: Tensor) -> Tensor:
 
 
 def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch.dtype,
-            dense_columns: tuple[Tensor, Tensor] | None = None) -> Tensor:
+            dense_columns: tuple[Tensor, Tensor] | None = None, accumulate_into: Tensor | None = None) -> Tensor:
     """unscale_ written in out_dtype (fp32: an fp32 weight's gradient, no cast pass after; bf16: in
     place). With power-of-2 scales the fp32 result is unscale_'s bf16 one, .float(), bit for bit (a
     bf16 times powers of 2 is a bf16) except below 2^-126, where fp32 keeps bits that bf16 drops.
     dense_columns (slots [N] int32 as dense_slots numbers them, g [k, M]): y is dW2 [d, F], and
     the dense features' columns are written from g in the same pass, as write_dense_columns
-    would (which reads and writes all of dW2 once more)."""
+    would (which reads and writes all of dW2 once more). accumulate_into (contiguous, out_dtype, y's
+    shape: a weight's .grad): the result added into it, which is returned (the same sums, bit for
+    bit, as adding the result afterwards)."""
     if not y.is_contiguous() or y.numel() >= 2**31:  # the kernel's offsets are int32
         raise ValueError(f"unscale needs a contiguous y of fewer than 2^31 elements, got {tuple(y.shape)}, "
                          f"strides {y.stride()}")
-    out = y if out_dtype == y.dtype else torch.empty(y.shape, dtype=out_dtype, device=y.device)
+    if accumulate_into is not None and (accumulate_into.shape != y.shape or accumulate_into.dtype != out_dtype
+                                        or not accumulate_into.is_contiguous()):
+        raise ValueError(f"unscale accumulates into a contiguous {out_dtype} {tuple(y.shape)}, got "
+                         f"{accumulate_into.dtype} {tuple(accumulate_into.shape)}, strides {accumulate_into.stride()}")
+    out = (accumulate_into if accumulate_into is not None else y if out_dtype == y.dtype
+           else torch.empty(y.shape, dtype=out_dtype, device=y.device))
     if dense_columns is not None:
         slots, g = dense_columns
         if (slots.dtype != torch.int32 or slots.shape != (y.shape[1],) or g.shape[1:] != (y.shape[0],)
@@ -216,7 +226,7 @@ def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch
             raise ValueError(f"unscale's dense columns need int32 slots [{y.shape[1]}] and contiguous g [k, {y.shape[0]}] "
                              f"of y's dtype and device, got slots {slots.dtype} {tuple(slots.shape)}, g {g.dtype} "
                              f"{tuple(g.shape)} on {g.device}")
-    return _unscale_into(out, y, row_scale, col_scale, dense_columns)
+    return _unscale_into(out, y, row_scale, col_scale, dense_columns, accumulate_into is not None)
 
 
 def usable(buf: Tensor, b: Tensor) -> bool:
@@ -232,12 +242,13 @@ def usable(buf: Tensor, b: Tensor) -> bool:
 
 
 def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool,
-                    out_dtype: torch.dtype = torch.bfloat16, dense_columns=None) -> Tensor:
+                    out_dtype: torch.dtype = torch.bfloat16, dense_columns=None, accumulate_into=None) -> Tensor:
     m, k = buf.shape[0], b8.shape[0]
     a8, sa = compressed_to_e4m3(buf, m, k)
     y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
     sr, sc = (sb, sa) if transpose_result else (sa, sb)  # transposed, y is (A B)^T: B's columns are its rows
-    return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=dense_columns)
+    return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=dense_columns,
+                   accumulate_into=accumulate_into)
 
 
 def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False,
@@ -265,21 +276,22 @@ def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
 
 
 def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
-                        out_dtype: torch.dtype = torch.bfloat16,
-                        slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                        out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
+                        accumulate_into: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
     of B: a weight gradient's 2:4 product and its dense features' rows (kernels/srelu24_ffn.py).
     out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
     stay bf16 (dense_mm's), widened where write_dense_rows/columns store them. slots (dW2, with
     transpose_result): the dense rows go into the product's columns in its unscaling pass instead,
-    and None comes back in their place."""
+    and None comes back in their place. accumulate_into: the 2:4 product added into it (unscale's),
+    and it returned in the product's place."""
     b8, sb = kmajor_e4m3(b)
     dense = None if dense_rows is None else dense_mm(dense_rows, b8, sb)
     if slots is not None and dense is not None:
         if not transpose_result:
             raise ValueError("sparse_and_dense_mm writes dense columns only into a transposed product (dW2 [d, F])")
-        return _sparse_product(buf, b8, sb, True, out_dtype, (slots, dense)), None
-    return _sparse_product(buf, b8, sb, transpose_result, out_dtype), dense
+        return _sparse_product(buf, b8, sb, True, out_dtype, (slots, dense), accumulate_into), None
+    return _sparse_product(buf, b8, sb, transpose_result, out_dtype, accumulate_into=accumulate_into), dense
 
 
 def _dequantized(q: Tensor, s: Tensor) -> Tensor:
@@ -304,16 +316,18 @@ def dense_mm_reference(a: Tensor, b: Tensor) -> Tensor:
 
 
 def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
-                                  out_dtype: torch.dtype = torch.bfloat16,
-                                  slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                                  out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
+                                  accumulate_into: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """What sparse_and_dense_mm computes: the product's bf16 widened to out_dtype, and with slots
-    the dense rows written as its columns."""
+    the dense rows written as its columns; with accumulate_into, that added into it."""
     y = sparse_mm_reference(buf, b, transpose_result).to(out_dtype)
     dense = None if dense_rows is None else dense_mm_reference(dense_rows, b)
-    if slots is None or dense is None:
-        return y, dense
-    if not transpose_result:
-        raise ValueError("sparse_and_dense_mm writes dense columns only into a transposed product (dW2 [d, F])")
-    cols = (slots >= 0).nonzero().squeeze(1)
-    y[:, cols] = dense[slots[cols].long()].t().to(out_dtype)
-    return y, None
+    if slots is not None and dense is not None:
+        if not transpose_result:
+            raise ValueError("sparse_and_dense_mm writes dense columns only into a transposed product (dW2 [d, F])")
+        cols = (slots >= 0).nonzero().squeeze(1)
+        y[:, cols] = dense[slots[cols].long()].t().to(out_dtype)
+        dense = None
+    if accumulate_into is not None:
+        y = accumulate_into.add_(y)
+    return y, dense

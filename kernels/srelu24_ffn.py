@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import fp8_gemm, fp8_sparse, weight_casts
+from . import fp8_gemm, fp8_sparse, grads_in_place as in_place, weight_casts
 from .cusparselt import cached_mm, searched_alg, torch_mm
 from .ffn_stats import N_SUMS, srelu24_sums_from_counts
 from .srelu24_reference import SReLU24Recipe, densest_from_counts, random_token_order
@@ -99,25 +99,29 @@ def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False)
 
 
 def _weight_grad_mm(a: Tensor, dense_rows: Tensor | None, b: Tensor, e4m3: bool, out_dtype: torch.dtype,
-                    transpose_result: bool = False, slots: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                    transpose_result: bool = False, slots: Tensor | None = None,
+                    into: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(_sparse_mm(a, b, e4m3, transpose_result) in out_dtype (the weight's), dense_rows @ b or None
     in bf16): a weight gradient's 2:4 product and its dense features' exact rows, both in e4m3 where
     the 2:4 one is (from one e4m3 conversion of b, which the two share; the product written in
     out_dtype by its unscaling pass), else in bf16 (the product cast). slots (dW2): in e4m3 the
-    unscaling pass writes the dense rows into the product's columns too, and None comes back for them."""
+    unscaling pass writes the dense rows into the product's columns too, and None comes back for them.
+    into (a weight's .grad): in e4m3 the unscaling pass adds the product into it, and it comes back
+    in the product's place; the bf16 path ignores it."""
     if e4m3 and fp8_sparse.usable(a, b):
-        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots)
+        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots, into)
     return sparse_mm(a, b, transpose_result).to(out_dtype), None if dense_rows is None else dense_rows @ b
 
 
 @torch.library.custom_op("srelu24::srelu24_ffn_fwd", mutates_args=())
 def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dense_feature_fraction: float,
                     token_permutation: bool, reuse_forward_mask: bool,
-                    float8: str = "none", sparse_float8: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    float8: str = "none", sparse_float8: bool = True,
+                    grads_in_place: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d], what the backward reads (`keeps_a24`: compressed A24 [padded_rows(T), 9F/16],
     else Z [T, F]), kept non-zeros per feature [F] int32, the statistics row [N_SUMS] float64,
-    empty unless collect_stats). The last two switches are the backward's, passed here so that
-    the op's inputs hold the whole recipe."""
+    empty unless collect_stats). token_permutation, reuse_forward_mask and grads_in_place are the
+    backward's, passed here so that the op's inputs hold the whole recipe."""
     _check_dtypes("srelu24_ffn_fwd", w1, w2, x=x)
     T = x.shape[0]
     z = _dense_mm(x, w1.t(), float8, grad=False)
@@ -133,7 +137,7 @@ def srelu24_ffn_fwd(x: Tensor, w1: Tensor, w2: Tensor, collect_stats: bool, dens
 
 @srelu24_ffn_fwd.register_fake
 def _(x, w1, w2, collect_stats, dense_feature_fraction, token_permutation, reuse_forward_mask, float8="none",
-      sparse_float8=True):
+      sparse_float8=True, grads_in_place=False):
     _check_dtypes("srelu24_ffn_fwd", w1, w2, x=x)
     T, F_ = x.shape[0], w1.shape[0]
     saved = (x.new_empty(padded_rows(T), F_ * 9 // 16) if keeps_a24(x, w1, reuse_forward_mask)
@@ -153,9 +157,10 @@ def keeps_a24(x: Tensor, w1: Tensor, reuse_forward_mask: bool) -> bool:
 def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
                     token_permutation: bool, dense_feature_fraction: float,
                     reuse_forward_mask: bool, float8: str = "none",
-                    sparse_float8: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                    sparse_float8: bool = True, grads_in_place: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(dX in bf16, dW1 and dW2 in their weights' dtypes). saved: the forward's compressed A24 or Z
-    (srelu24_ffn_fwd)."""
+    (srelu24_ffn_fwd). grads_in_place (fp32 weights, e4m3 mode: `_in_place`): dW1 and dW2 are added
+    into the weights' .grad instead (kernels/grads_in_place.py), and come back empty."""
     _check_dtypes("srelu24_ffn_bwd", w1, w2, x=x, saved=saved)
     T, F_ = x.shape[0], w1.shape[0]
     from_a24 = saved.shape[1] != F_  # A24 is [padded T, 9F/16]
@@ -183,26 +188,43 @@ def srelu24_ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor
     Tp = padded_tokens(T)
     dy_p = _pad_rows(dy[perm] if perm is not None else dy, Tp)
     x_p = _pad_rows(x[perm] if perm is not None else x, Tp)
+    # in place: the parameters, and their .grad where the unscaling pass may add into it
+    p1, p2 = (in_place.parameter_of(w1), in_place.parameter_of(w2)) if grads_in_place else (None, None)
+    g1, g2 = (in_place.accumulator(p1), in_place.accumulator(p2)) if grads_in_place else (None, None)
     has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
     dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, e4m3, w2.dtype, transpose_result=True,
-                                     slots=slots)
+                                     slots=slots, into=g2)
     if dw2_dense is not None:  # dw2 is [d, F], no transpose pass (in e4m3 its columns are already written)
         write_dense_columns(dw2, slots, dw2_dense)
-    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, e4m3, w1.dtype)  # [F, d]
+    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, e4m3, w1.dtype, into=g1)  # [F, d]
     if has_dense:
-        write_dense_rows(dw1, dense, dw1_dense)
-    return dx.contiguous(), dw1.contiguous(), dw2
+        write_dense_rows(dw1, dense, dw1_dense, accumulate=g1 is not None and dw1 is g1)
+    if not grads_in_place:
+        return dx.contiguous(), dw1.contiguous(), dw2
+    for p, dw, g in ((p1, dw1, g1), (p2, dw2, g2)):
+        if g is None or dw is not g:  # no .grad yet, or a path that did not add into it
+            in_place.add(p, dw)
+    return dx.contiguous(), dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
 
 
 @srelu24_ffn_bwd.register_fake
 def _(dy, x, w1, w2, saved, counts, token_permutation, dense_feature_fraction, reuse_forward_mask, float8="none",
-      sparse_float8=True):
+      sparse_float8=True, grads_in_place=False):
+    if grads_in_place:
+        return torch.empty_like(x), x.new_empty(0, dtype=w1.dtype), x.new_empty(0, dtype=w2.dtype)
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+
+
+def _in_place(w1: Tensor, w2: Tensor, float8: str, sparse_float8: bool, grads_in_place: bool) -> bool:
+    """Whether the backward adds the weight gradients into .grad itself: asked for, and the fp32
+    weights of e4m3 mode (a static property of the model: fixed when compile traces the op)."""
+    return grads_in_place and float8 != "none" and sparse_float8 and w1.dtype == w2.dtype == torch.float32
 
 
 def _setup_context(ctx, inputs, output):
     (x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask, ctx.float8,
-     ctx.sparse_float8) = inputs
+     ctx.sparse_float8, grads_in_place) = inputs
+    ctx.grads_in_place = _in_place(w1, w2, ctx.float8, ctx.sparse_float8, grads_in_place)
     _, saved, counts, _ = output
     ctx.save_for_backward(x, w1, w2, saved, counts)
     # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
@@ -212,11 +234,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, *unused):  # only Y carries a gradient; Z, counts and the row do not
     if dy is None:  # Y unused by the loss (grads are not materialised)
-        return (None,) * 9
+        return (None,) * 10
     x, w1, w2, saved, counts = ctx.saved_tensors
     dx, dw1, dw2 = srelu24_ffn_bwd(dy, x, w1, w2, saved, counts, ctx.token_permutation, ctx.dense_feature_fraction,
-                                   ctx.reuse_forward_mask, ctx.float8, ctx.sparse_float8)
-    return dx, dw1, dw2, None, None, None, None, None, None
+                                   ctx.reuse_forward_mask, ctx.float8, ctx.sparse_float8, ctx.grads_in_place)
+    if ctx.grads_in_place:  # already in the weights' .grad
+        dw1 = dw2 = None
+    return dx, dw1, dw2, None, None, None, None, None, None, None
 
 
 srelu24_ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -231,15 +255,18 @@ def _op_weight(w: Tensor, e4m3: bool) -> Tensor:
 
 
 def srelu24_ffn_kernels(x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe, stats=None,
-                        float8: str = "none", sparse_float8: bool = True) -> Tensor:
+                        float8: str = "none", sparse_float8: bool = True, grads_in_place: bool = False) -> Tensor:
     """The srelu24 FFN on x [..., d]; adds this call's statistics row to `stats` when given.
     float8: the dense GEMMs' recipe (trainer.float8), "none" for bf16; sparse_float8: with float8
-    set, the 2:4 GEMMs in e4m3 as well (row-wise power-of-2 scales, kernels/fp8_sparse.py)."""
+    set, the 2:4 GEMMs in e4m3 as well (row-wise power-of-2 scales, kernels/fp8_sparse.py).
+    grads_in_place: in e4m3 mode on fp32 weights (registered parameters), the backward adds their
+    gradients into .grad itself and autograd gets None for them (kernels/grads_in_place.py)."""
     shape = x.shape
     e4m3 = float8 != "none" and sparse_float8
     y, _, _, row = srelu24_ffn_fwd(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, e4m3),
                                    _op_weight(w2, e4m3), stats is not None, recipe.dense_feature_fraction,
-                                   recipe.token_permutation, recipe.reuse_forward_mask, float8, sparse_float8)
+                                   recipe.token_permutation, recipe.reuse_forward_mask, float8, sparse_float8,
+                                   grads_in_place)
     if stats is not None:
         stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])

@@ -335,14 +335,19 @@ def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], 
 
 
 @triton.jit
-def _dense_rows_kernel(w_ptr, dense_ptr, g_ptr, k, D, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (block of dense features, block of d): w[dense[j], :] = g[j, :]."""
+def _dense_rows_kernel(w_ptr, dense_ptr, g_ptr, k, D, ACCUMULATE: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """Program (block of dense features, block of d): w[dense[j], :] = g[j, :] (ACCUMULATE: +=)."""
     j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (j < k)[:, None] & (d < D)[None, :]
     f = tl.load(dense_ptr + j, mask=j < k, other=0).to(tl.int64)
     src = j[:, None].to(tl.int64) * D + d[None, :]
-    tl.store(w_ptr + f[:, None] * D + d[None, :], tl.load(g_ptr + src, mask=ok), mask=ok)
+    dst = w_ptr + f[:, None] * D + d[None, :]
+    v = tl.load(g_ptr + src, mask=ok).to(w_ptr.dtype.element_ty)
+    if ACCUMULATE:
+        v = tl.load(dst, mask=ok) + v
+    tl.store(dst, v, mask=ok)
 
 
 @triton.jit
@@ -370,14 +375,16 @@ def _check_dense_write(name: str, w: Tensor, index: Tensor, g: Tensor, want_w: t
                          f"{tuple(g.shape)} (dense-feature gradients [k, d]) do not agree")
 
 
-def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor) -> None:
+def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor, accumulate: bool = False) -> None:
     """dw1[dense] = g in place (dw1 [F, d], g [k, d], dense [k] feature indices): dW1's rows of
     the dense features, zero in the sparse product, get their exact values. g bf16 into an fp32 dw1
-    is widened as stored (an fp32 weight's gradient)."""
+    is widened as stored (an fp32 weight's gradient). accumulate: dw1[dense] += g (dw1 a weight's
+    .grad that the sparse product was added into: kernels/grads_in_place.py)."""
     k, D = g.shape
     _check_dense_write("write_dense_rows", dw1, dense, g, (dw1.shape[0], D), (k,))
     if k:
-        _dense_rows_kernel[(triton.cdiv(k, 32), triton.cdiv(D, 128))](dw1, dense, g, k, D, BLOCK_K=32, BLOCK_D=128)
+        _dense_rows_kernel[(triton.cdiv(k, 32), triton.cdiv(D, 128))](dw1, dense, g, k, D, ACCUMULATE=accumulate,
+                                                                      BLOCK_K=32, BLOCK_D=128)
 
 
 def write_dense_columns(dw2: Tensor, slots: Tensor, g: Tensor) -> None:

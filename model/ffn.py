@@ -141,6 +141,9 @@ class SReLU24(SReLU):
         self.kernels = kernels
         self.float8 = "none"  # the kernels' dense GEMMs in float8: trainer.float8, set by training/float8.py
         self.sparse_float8 = sparse_float8  # and, with float8 set, their 2:4 GEMMs in e4m3 (kernels/fp8_sparse.py)
+        # there, on fp32 weights, the op adds their gradients into .grad itself (kernels/grads_in_place.py):
+        # set by training/distributed.build_model for one process
+        self.grads_in_place = False
 
     @classmethod
     def from_config(cls, dim: int, hidden: int, cfg) -> "SReLU24":
@@ -161,7 +164,7 @@ class SReLU24(SReLU):
             recipe = replace(self.recipe, token_permutation=False) if tokens_permuted else self.recipe
             if self.kernels and kernels_available(x):
                 return srelu24_ffn_kernels(x, self.w1.weight, self.w2.weight, recipe, stats, self.float8,
-                                           self.sparse_float8)
+                                           self.sparse_float8, self.grads_in_place)
             warn_reference_path_once()
             return srelu24_ffn(x, self.w1.weight, self.w2.weight, recipe, stats)
         a = self.activation(x)

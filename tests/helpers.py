@@ -73,3 +73,23 @@ def prepare_shared_cache(tmp_path_factory, corpus: Path) -> Path:
     prepare(to_config(with_cache(tiny_overrides(tmp_path_factory.mktemp("prep"), corpus), d)).data, ROOT,
             progress=False)
     return d
+
+
+_CPU_SCALED_MM: dict = {}
+
+
+def cpu_scaled_mm_runs(recipe: str) -> bool:
+    """torch's CPU _scaled_mm runs this float8 recipe's GEMMs (forward and gradient): torch 2.13 does;
+    2.11's CPU backend takes per-tensor scales only (the GPU machines' torch runs the CPU tests too)."""
+    if recipe not in _CPU_SCALED_MM:
+        import torch
+
+        from kernels import fp8_gemm
+
+        a, b = torch.randn(16, 32).bfloat16(), torch.randn(32, 16).bfloat16()
+        try:
+            fp8_gemm.mm(a, b, recipe), fp8_gemm.mm(a, b, recipe, grad=True)
+            _CPU_SCALED_MM[recipe] = True
+        except RuntimeError:
+            _CPU_SCALED_MM[recipe] = False
+    return _CPU_SCALED_MM[recipe]
