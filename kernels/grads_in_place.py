@@ -9,9 +9,10 @@ the same sums. The first micro-batch (`.grad` None) stores its gradient as Accum
 
 It is static: `SReLU24.grads_in_place`, which training/distributed.build_model sets for one process
 (no DDP: DDP's reducer hooks AccumulateGrad, which this bypasses) and the e4m3 op on fp32 weights.
-The op then hands autograd None for W1 and W2, so `torch.autograd.grad` with respect to them gets
-nothing and their post-accumulate hooks do not fire; a training step's `loss.backward()` and the
-optimizer see the same `.grad` as without it.
+The op then hands autograd None for W1 and W2, so `torch.autograd.grad` (or `backward(inputs=...)`)
+with respect to them gets nothing while their `.grad` still grows, and their post-accumulate hooks
+do not fire; a training step's `loss.backward()` and the optimizer see the same `.grad` as without
+it. Weights that want no gradient (requires_grad off) take the plain path.
 
 The op is given tensors, not Parameters: `register(params)` records the model's parameters (weakly),
 and `parameter_of(w)` finds the one whose storage w is (rebuilt on a miss: a parameter moved by

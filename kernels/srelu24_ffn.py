@@ -224,7 +224,9 @@ def _in_place(w1: Tensor, w2: Tensor, float8: str, sparse_float8: bool, grads_in
 def _setup_context(ctx, inputs, output):
     (x, w1, w2, _, ctx.dense_feature_fraction, ctx.token_permutation, ctx.reuse_forward_mask, ctx.float8,
      ctx.sparse_float8, grads_in_place) = inputs
-    ctx.grads_in_place = _in_place(w1, w2, ctx.float8, ctx.sparse_float8, grads_in_place)
+    # frozen weights (no gradient wanted) take the plain path: the op would give them a .grad
+    ctx.grads_in_place = (_in_place(w1, w2, ctx.float8, ctx.sparse_float8, grads_in_place)
+                          and ctx.needs_input_grad[1] and ctx.needs_input_grad[2])
     _, saved, counts, _ = output
     ctx.save_for_backward(x, w1, w2, saved, counts)
     # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"

@@ -10,15 +10,17 @@ the first micro-batch converts and the rest reuse the result; outside (a single 
 benchmarks, tests) every call converts, as before.
 
 What a hit needs, so that a stale conversion is never used:
-- an fp32 weight: the single-device and DDP parameters as the op takes them. Under FSDP2 the op
-  gets bf16 all-gathered weights, re-gathered for each use; nothing is kept for them.
-- the same tensor: storage address, shape, strides, and its version counter. Every in-place write
-  (the optimizer's, a checkpoint load's `copy_`) bumps the version; the kept entry holds the weight,
-  so its storage cannot be freed and another tensor take its address within the scope.
+- an fp32 weight: the single-device and DDP parameters as the op takes them. Under FSDP2 the
+  step does not open the scope (its gathered weights are freed and re-gathered into memory that
+  another layer's may have held, without a version bump).
+- the same tensor: the same storage (its StorageImpl, kept alive by the entry), at the same
+  address, shape and strides, and the same version counter. Every in-place write (the optimizer's,
+  a checkpoint load's `copy_`) bumps the version; a `.data =` swap changes the storage.
 - and the scope itself: it ends before the optimizer step, and its end drops everything kept.
 
-Memory: what is kept is e4m3, one byte per weight element per conversion: 4 bytes per FFN weight
-element in all (270 MB per 7B layer), held until the micro-batches end (training/memory.py counts it).
+Memory: what is kept is e4m3, one byte per weight element per conversion, four conversions of
+d x F elements each per layer (270 MB per 7B layer), held until the micro-batches end
+(training/memory.py counts it).
 """
 from contextlib import contextmanager
 from typing import Callable, TypeVar
@@ -53,9 +55,10 @@ def converted(kind: str, w: Tensor, convert: Callable[[], T]) -> T:
     scope. kind names the conversion (one weight has several)."""
     if _kept is None or w.dtype != torch.float32:
         return convert()
-    key = (kind, w.device, w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    storage = w.untyped_storage()
+    key = (kind, w.device, storage._cdata, w.data_ptr(), tuple(w.shape), tuple(w.stride()))
     hit = _kept.get(key)
-    if hit is not None and hit[1] == w._version:
+    if hit is not None and hit[1] == w._version and hit[0].data_ptr() == w.data_ptr():
         return hit[2]
     out = convert()
     _kept[key] = (w, w._version, out)

@@ -86,6 +86,10 @@ def cpu_scaled_mm_runs(recipe: str) -> bool:
 
         from kernels import fp8_gemm
 
+        major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+        if (major, minor) >= (2, 13):  # it does: a failure there is the code's, and must fail the tests
+            _CPU_SCALED_MM[recipe] = True
+            return True
         a, b = torch.randn(16, 32).bfloat16(), torch.randn(32, 16).bfloat16()
         try:
             fp8_gemm.mm(a, b, recipe), fp8_gemm.mm(a, b, recipe, grad=True)

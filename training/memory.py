@@ -26,8 +26,8 @@ accumulation the peak is the larger of (start of the backward: weights + AdamW +
 transient) and (the optimizer step: weights + AdamW + gradients). With accumulation (the trainer's
 batch_size > micro_batch_size x world size) the gradients of the earlier micro-batches are there
 throughout, and so, for srelu24 with trainer.float8 and its 2:4 GEMMs in e4m3 on fp32 weights (no
-FSDP), are its kept e4m3 weight conversions (kernels/weight_casts.py): 4 bytes per FFN weight
-element, until the optimizer step.
+FSDP), are its kept e4m3 weight conversions (kernels/weight_casts.py): four of d x F bytes per
+layer, until the optimizer step.
 
 The two per-token constants of the transients (16 bytes per d, 8 per parameter) and the 20 bytes
 per d of the block's kept activations are calibrated against torch.cuda.max_memory_allocated of
@@ -134,8 +134,8 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     e.transient = "loss head backward" if head >= block else "block backward"
     e.parts[f"largest transient ({e.transient})"] = int(max(head, block))
     if grad_accumulation and sparse_2to4 and not fsdp and t.float8 != Float8.none and fcfg.sparse_float8:
-        # the e4m3 conversions of W1 and W2 (4 per layer, 1 byte each), held over the micro-batches
-        e.parts[KEPT_CONVERSIONS] = 4 * 2 * d * ffn_hidden_dim(mcfg, fcfg) * L
+        # W1's rows and columns, W2's rows and columns: 4 per layer of d x F bytes (e4m3)
+        e.parts[KEPT_CONVERSIONS] = 4 * d * ffn_hidden_dim(mcfg, fcfg) * L
 
     resident = sum(v for k, v in e.parts.items() if k not in ("gradients (fp32)", "activations", KEPT_CONVERSIONS)
                    and not k.startswith("largest transient"))

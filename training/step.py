@@ -117,8 +117,9 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
 
     loss_sum, data_s = torch.zeros((), device=d.device), 0.0
     # the weights stand still until the optimizer step: srelu24's e4m3 conversions of them are made
-    # by the first micro-batch and reused by the others, then dropped (kernels/weight_casts.py)
-    with reuse_within_step(enabled=p.accum > 1):
+    # by the first micro-batch and reused by the others, then dropped (kernels/weight_casts.py);
+    # not under FSDP2, whose gathered weights live for one use
+    with reuse_within_step(enabled=p.accum > 1 and not is_fsdp(p.model)):
         for micro in range(p.accum):
             t0 = time.perf_counter()
             x, y = next_batch()
@@ -185,6 +186,15 @@ def warn_skipped(first: int, last: int, n: int, total: int) -> None:
     else:
         msg = f"steps {first}-{last}: {n} non-finite gradient step{'s' if n > 1 else ''} skipped ({total} so far)"
     logging.getLogger(__name__).warning(msg)
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """FSDP2-sharded (fully_shard): its gathered weights come and go within a micro-batch."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def grad_sync(train_module: nn.Module, last: bool):
