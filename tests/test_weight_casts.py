@@ -141,7 +141,7 @@ def _accumulated_steps(w1, w2, batches, steps: int, float8: str, reuse: bool) ->
 def test_the_ops_dense_float8_weights_convert_once_per_step_on_the_cpu(monkeypatch, float8):
     """On the CPU the 2:4 GEMMs are bf16 fallbacks (cuSPARSELt stood in for), so the kept
     conversions are the dense GEMMs' (W1^T for Z, W2 for dA): 2 per optimizer step, not 2 per
-    micro-batch, and the same weights and outputs as converting each time."""
+    micro-batch, and the same weights and outputs as converting each time (2 steps of 2)."""
     from helpers import cpu_scaled_mm_runs
     from test_kernels import _cslt_stand_in
 
@@ -153,9 +153,9 @@ def test_the_ops_dense_float8_weights_convert_once_per_step_on_the_cpu(monkeypat
     torch.manual_seed(3)
     T, d, F_ = 100, 64, 128
     w1, w2 = torch.randn(F_, d) * d ** -0.5, torch.randn(d, F_) * F_ ** -0.5
-    batches = _micro_batches(4, 3, T, d, "cpu")
+    batches = _micro_batches(4, 2, T, d, "cpu")
     fresh = _accumulated_steps(w1, w2, batches, 2, float8, reuse=False)
-    assert len(calls) == 2 * 3 * 2
+    assert len(calls) == 2 * 2 * 2
     calls.clear()
     kept = _accumulated_steps(w1, w2, batches, 2, float8, reuse=True)
     assert calls == [(d, F_), (d, F_)] * 2  # per step: W1^T [d, F] (forward), W2 [d, F] (backward)
