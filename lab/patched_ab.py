@@ -33,3 +33,13 @@ def patched_ab(module, attr: str, variants: dict, run, rounds: int, timer, label
     ratios = [a / b for a, b in zip(*times.values())]
     print(f"first / second per round: median {statistics.median(ratios):.4f}x; " + ", ".join(f"{r:.4f}" for r in ratios))
     return times
+
+
+def fp32_7b_ffn_inputs(tokens: int):
+    """(x, dY, W1, W2) at the 7B FFN's shapes (d 4096, F 16512) on the GPU, the weights as fp32
+    leaves (the parameters on one GPU), x a bf16 leaf: what the e4m3 op's A/B probes run on."""
+    from scripts.ffn_inputs import SHAPES, ffn_inputs
+
+    D, Fh = SHAPES["7B-config"][:2]
+    x, gy, w1, w2 = ffn_inputs(D, Fh, tokens)
+    return x.requires_grad_(), gy, *(w.float().requires_grad_() for w in (w1, w2))

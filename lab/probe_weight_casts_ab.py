@@ -20,9 +20,8 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels import srelu24_ffn, weight_casts  # noqa: E402
-from lab.patched_ab import patched_ab, patched_grads  # noqa: E402
+from lab.patched_ab import fp32_7b_ffn_inputs, patched_ab, patched_grads  # noqa: E402
 from scripts.bench_ffn import MODEL_RECIPE  # noqa: E402
-from scripts.ffn_inputs import SHAPES, ffn_inputs  # noqa: E402
 
 KEPT = weight_casts.reuse_within_step
 
@@ -38,10 +37,7 @@ def main() -> int:
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
-    D, Fh = SHAPES["7B-config"][:2]
-    x, gy, w1, w2 = ffn_inputs(D, Fh, args.tokens)
-    w1, w2 = (w.float().requires_grad_() for w in (w1, w2))  # fp32 parameters
-    x.requires_grad_()
+    x, gy, w1, w2 = fp32_7b_ffn_inputs(args.tokens)
 
     def run():
         for t in (x, w1, w2):
