@@ -2,7 +2,8 @@
 
 Adding a variant is its class here, decorated with `@register_ffn("name")`, and its YAML in
 configs/ffn/ (`kind: name`). A class declares what the rest of the model needs of it:
-- `from_config(dim, hidden, cfg)`: the module for an FFNConfig (a variant reads the fields it uses);
+- `from_config(dim, hidden, cfg, float8)`: the module for an FFNConfig (a variant reads the fields it
+  uses) and the trainer's float8 recipe;
 - `default_hidden(swiglu_hidden)`: its hidden size when ffn.hidden_dim is not set;
 - `hidden_multiple`: what its hidden size must be a multiple of (checked at start-up);
 - `residual_projections()`: the weights that write into the residual stream, which
@@ -10,7 +11,9 @@ configs/ffn/ (`kind: name`). A class declares what the rest of the model needs o
 - `set_2to4(active)`: switch 2:4 on or off (a no-op but for the 2:4 variants).
 Weight names follow Llama (w1 gate/in, w2 out, w3 up)."""
 import logging
+from contextlib import contextmanager
 from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -18,7 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.ffn_stats import N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, srelu24_sums
-from kernels.srelu24_reference import SReLU24Recipe, srelu24_ffn
+from kernels.float8 import scaled_mm_shapes
+from kernels.srelu24.options import OpOptions, StepState
+from kernels.srelu24.reference import SReLU24Recipe, srelu24_ffn
 
 FFN_REGISTRY: dict[str, type["FFN"]] = {}
 
@@ -57,7 +62,9 @@ class FFN(nn.Module):
         self.collect_stats = False
 
     @classmethod
-    def from_config(cls, dim: int, hidden: int, cfg) -> "FFN":
+    def from_config(cls, dim: int, hidden: int, cfg, float8: str = "none") -> "FFN":
+        """float8: the trainer's recipe, for a variant whose own GEMMs take it (srelu24's op); the
+        others' linears are converted by training/float8.py."""
         return cls(dim, hidden)
 
     @staticmethod
@@ -126,29 +133,38 @@ class SReLU(FFN):
 @register_ffn("srelu24")
 class SReLU24(SReLU):
     """Squared-ReLU whose activations are 2:4 sparse once `sparse` is switched on (the
-    trainer does so after the dense warmup, through set_2to4). Before that it is exactly SReLU."""
+    trainer does so after the dense warmup, through set_2to4). Before that it is exactly SReLU.
+    On CUDA sm80/sm90 (and ffn.kernels) its 2:4 phase runs the op of kernels/srelu24/op.py with
+    `options`; elsewhere the PyTorch reference."""
     # The sm90 sparse GEMM layout wants the 2:4 (reduction) dimension a multiple of 32 and
     # the rows of the transposed operand (features) a multiple of 64.
     hidden_multiple = 64
 
-    def __init__(self, dim: int, hidden: int, recipe: SReLU24Recipe = SReLU24Recipe(), kernels: bool = True,
-                 sparse_float8: bool = True):
+    def __init__(self, dim: int, hidden: int, options: OpOptions = OpOptions(), kernels: bool = True):
         super().__init__(dim, hidden)
         if hidden % 4:
             raise ValueError(f"srelu24 needs a hidden size divisible by 4, got {hidden}")
-        self.recipe = recipe
+        self.options = options
         self.sparse = False
         self.kernels = kernels
-        self.float8 = "none"  # the kernels' dense GEMMs in float8: trainer.float8, set by training/float8.py
-        self.sparse_float8 = sparse_float8  # and, with float8 set, their 2:4 GEMMs in e4m3 (kernels/fp8_sparse.py)
-        # there, on fp32 weights, the op adds their gradients into .grad itself (kernels/grads_in_place.py):
-        # set by training/distributed.build_model for one process
-        self.grads_in_place = False
+        self.step_state: Optional[StepState] = None  # an optimizer step's, while it runs (srelu24_step)
 
     @classmethod
-    def from_config(cls, dim: int, hidden: int, cfg) -> "SReLU24":
+    def from_config(cls, dim: int, hidden: int, cfg, float8: str = "none") -> "SReLU24":
+        """The op's GEMMs take the float8 recipe where torch._scaled_mm takes the shapes, as
+        training/float8.py converts the linears."""
         recipe = SReLU24Recipe(cfg.token_permutation, cfg.dense_feature_fraction, cfg.reuse_forward_mask)
-        return cls(dim, hidden, recipe, cfg.kernels, cfg.sparse_float8)
+        float8 = float8 if scaled_mm_shapes(dim, hidden) else "none"
+        return cls(dim, hidden, OpOptions(recipe, float8, cfg.sparse_float8), cfg.kernels)
+
+    @property
+    def recipe(self) -> SReLU24Recipe:
+        return self.options.recipe
+
+    @property
+    def float8(self) -> str:
+        """The float8 recipe of the op's GEMMs ("none": bf16)."""
+        return self.options.float8
 
     def set_2to4(self, active: bool) -> None:
         self.sparse = active
@@ -161,11 +177,13 @@ class SReLU24(SReLU):
     def forward(self, x: Tensor, tokens_permuted: bool = False) -> Tensor:
         if self.sparse:
             stats = self.stats if self.collect_stats else None
-            recipe = replace(self.recipe, token_permutation=False) if tokens_permuted else self.recipe
             if self.kernels and kernels_available(x):
-                return srelu24_ffn_kernels(x, self.w1.weight, self.w2.weight, recipe, stats, self.float8,
-                                           self.sparse_float8, self.grads_in_place)
+                options = self.options
+                if tokens_permuted:
+                    options = replace(options, recipe=replace(options.recipe, token_permutation=False))
+                return srelu24_op(x, self.w1.weight, self.w2.weight, options, stats, self.step_state)
             warn_reference_path_once()
+            recipe = replace(self.recipe, token_permutation=False) if tokens_permuted else self.recipe
             return srelu24_ffn(x, self.w1.weight, self.w2.weight, recipe, stats)
         a = self.activation(x)
         if self.collect_stats:  # dense warmup: what 2:4 would drop
@@ -173,10 +191,80 @@ class SReLU24(SReLU):
             self.stats += srelu24_sums(d, None, self.recipe.dense_feature_fraction, sparse=False)
         return self.w2(a)
 
+    def begin_step(self, keep_conversions: bool, grads_in_place: bool) -> None:
+        """Open this FFN's StepState for an optimizer step's micro-batches: in its 2:4 phase, in e4m3
+        mode on fp32 weights (one process or DDP; under FSDP2 the weights are bf16 and gathered per
+        use), its weights' conversions made now where the e4m3 2:4 GEMMs run (keep_conversions), and
+        the weights' .grad as the buffers its backward adds into (grads_in_place: allocated here,
+        zeroed, where there is none)."""
+        w1, w2 = self.w1.weight, self.w2.weight
+        if not (self.sparse and self.options.e4m3 and w1.dtype == w2.dtype == torch.float32
+                and self.kernels and kernels_available(w1)):
+            return
+        from kernels.float8 import sparse as fp8_sparse
+        from kernels.srelu24.op import convert_weights
 
-def build_ffn(cfg, dim: int, hidden: int) -> FFN:
-    """The registered FFN of the FFNConfig `cfg` (its `kind`), configured from it."""
-    return ffn_class(cfg.kind).from_config(dim, hidden, cfg)
+        state = StepState()
+        if keep_conversions and fp8_sparse.available(w1.device):
+            state.weights = convert_weights(w1, w2, self.options)
+        if grads_in_place and w1.requires_grad and w2.requires_grad:
+            grads = _grad_buffer(w1), _grad_buffer(w2)
+            state.grads = grads if None not in grads else None
+        if state.weights is not None or state.grads is not None:
+            self.step_state = state
+            self._written = _versions(w1, w2)
+
+    def end_step(self) -> None:
+        """Close the StepState. The weights must not have been written while it was open: its
+        conversions would have been stale."""
+        if self.step_state is None:
+            return
+        self.step_state = None
+        if _versions(self.w1.weight, self.w2.weight) != self._written:
+            raise RuntimeError("srelu24: W1 or W2 was written during an optimizer step's micro-batches, while "
+                               "their e4m3 conversions were kept; write the weights between steps")
+
+
+def _versions(*ws: Tensor) -> tuple:
+    return tuple((w._version, w.data_ptr()) for w in ws)
+
+
+def _grad_buffer(p: nn.Parameter) -> Optional[Tensor]:
+    """p.grad as a buffer the op may add into (contiguous, p's dtype and shape; created zeroed where
+    there is none), or None where the .grad there is laid out otherwise."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    g = p.grad
+    return g if g.dtype == p.dtype and g.shape == p.shape and g.is_contiguous() else None
+
+
+@contextmanager
+def srelu24_step(model: nn.Module, keep_conversions: bool, grads_in_place: bool):
+    """The state that every srelu24 FFN of `model` shares across one optimizer step's micro-batches
+    (kernels/srelu24/options.py, StepState), opened on entry and dropped on exit, also on errors.
+    training/step.py opens it around the micro-batches, with keep_conversions where there are
+    several of them and the weights stay put between them (not FSDP2), and grads_in_place where
+    also autograd's accumulation is nobody else's business (not DDP's reducer, not FSDP2)."""
+    ffns = [m for m in model.modules() if isinstance(m, SReLU24)]
+    try:
+        for m in ffns:
+            m.begin_step(keep_conversions, grads_in_place)
+        yield
+    finally:
+        errors = []
+        for m in ffns:
+            try:
+                m.end_step()
+            except RuntimeError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def build_ffn(cfg, dim: int, hidden: int, float8: str = "none") -> FFN:
+    """The registered FFN of the FFNConfig `cfg` (its `kind`), configured from it; float8: the
+    trainer's recipe, for variants whose own GEMMs take it (srelu24's op)."""
+    return ffn_class(cfg.kind).from_config(dim, hidden, cfg, float8)
 
 
 _warned = False
@@ -185,15 +273,15 @@ _warned = False
 def kernels_available(x: Tensor) -> bool:
     if not x.is_cuda:
         return False  # keeps triton out of CPU-only runs
-    from kernels.srelu24_ffn import available
+    from kernels.srelu24.op import available
 
     return available(x)
 
 
-def srelu24_ffn_kernels(*args):
-    from kernels.srelu24_ffn import srelu24_ffn_kernels as fn
+def srelu24_op(*args):
+    from kernels.srelu24.op import ffn
 
-    return fn(*args)
+    return ffn(*args)
 
 
 def warn_reference_path_once() -> None:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from kernels.srelu24_reference import permute_rows, random_token_orders
+from kernels.srelu24.reference import permute_rows, random_token_orders
 
 from .attention import AttentionKind, Mask, attend, document_ids, document_mask
 from .config import FFNConfig, ModelConfig, attention_shape_problem, ffn_hidden_dim
@@ -120,12 +120,12 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, ffn: FFNConfig):
+    def __init__(self, cfg: ModelConfig, ffn: FFNConfig, float8: str = "none"):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = build_ffn(ffn, cfg.dim, ffn_hidden_dim(cfg, ffn))
+        self.feed_forward = build_ffn(ffn, cfg.dim, ffn_hidden_dim(cfg, ffn), float8)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 kv: Optional[tuple[Tensor, Tensor]] = None, start_pos: int = 0,
@@ -153,7 +153,11 @@ def _init(p: Tensor, fill) -> None:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ffn: FFNConfig, vocab_size: int, eot_id: Optional[int] = None):
+    """float8: the trainer's float8 recipe (trainer.float8), which srelu24's own GEMMs take; the
+    linears themselves are converted by training/float8.py."""
+
+    def __init__(self, cfg: ModelConfig, ffn: FFNConfig, vocab_size: int, eot_id: Optional[int] = None,
+                 float8: str = "none"):
         super().__init__()
         problem = attention_shape_problem(cfg)
         if problem:
@@ -162,7 +166,7 @@ class Transformer(nn.Module):
         self.documents = AttentionKind(cfg.attention) == AttentionKind.document
         self.eot_id = eot_id  # where documents end (model.attention=document)
         self.tok_embeddings = nn.Embedding(vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, ffn) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, ffn, float8) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -1,7 +1,7 @@
 """The srelu24 FFN against dense on the GPU: correctness of the kernels against their
 references, then median times (triton do_bench) of forward and forward+backward (backward as
 their difference) for SwiGLU, dense srelu (eager and compiled) and srelu24
-(kernels/srelu24_ffn.py), the fused sparsify pass against a copy, where srelu24's time goes (piece by piece at 7B/1B, T=16384 and 1B,
+(kernels/srelu24/op.py), the fused sparsify pass against a copy, where srelu24's time goes (piece by piece at 7B/1B, T=16384 and 1B,
 T=4096), and its host time per call against its GPU kernel time (`overhead`).
 
     python scripts/bench_ffn.py                     # 1B and 7B shapes, T = 4096, 16384, 65536
@@ -24,14 +24,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels.cslt_layout import decompress  # noqa: E402
-from kernels.srelu24_ffn import sparse_mm, srelu24_ffn_bwd, srelu24_ffn_fwd, srelu24_ffn_kernels  # noqa: E402
-from kernels.srelu24_sparsify_backward import (a24_usable, backward_operands, backward_operands_from_a24,  # noqa: E402
+from kernels.cusparselt.layout import decompress  # noqa: E402
+from kernels.cusparselt.binding import sparse_mm  # noqa: E402
+from kernels.srelu24.op import OpOptions, ffn, ffn_backward, ffn_forward, keeps_a24  # noqa: E402
+from kernels.srelu24.sparsify_backward import (a24_usable, backward_operands, backward_operands_from_a24,  # noqa: E402
                                          cuda_usable, dense_slots, write_dense_columns, write_dense_rows)
-from kernels.srelu24_reference import SReLU24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
-from kernels.srelu24_sparsify import cuda_usable as sparsify_cuda_usable  # noqa: E402
-from kernels.srelu24_sparsify import padded_rows, srelu_sparsify_2to4, srelu_sparsify_2to4_reference  # noqa: E402
-from kernels.srelu24_reference import mask_2to4  # noqa: E402
+from kernels.srelu24.reference import SReLU24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
+from kernels.srelu24.sparsify import cuda_usable as sparsify_cuda_usable  # noqa: E402
+from kernels.cusparselt.layout import ROWS_PER_BAND, padded  # noqa: E402
+from kernels.srelu24.sparsify import srelu_sparsify_2to4, srelu_sparsify_2to4_reference  # noqa: E402
+from kernels.srelu24.reference import mask_2to4  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs, swiglu_weights  # noqa: E402
 from training.gpu_clocks import energy_during  # noqa: E402
 from training.logger import environment  # noqa: E402
@@ -53,7 +55,7 @@ def check(M: int, K: int, shift: float) -> dict:
     z = torch.randn(M, K, device="cuda", dtype=BF) - shift  # shift: sparser activations, zero groups
     buf, counts = srelu_sparsify_2to4(z)
     ref, ref_counts = srelu_sparsify_2to4_reference(z)
-    Mp = padded_rows(M)
+    Mp = padded(M, ROWS_PER_BAND)
     a24 = decompress(ref, Mp, K)
     out = {"shape": [M, K], "shift": shift, "kernel_equals_reference": torch.equal(buf.view(torch.int16), ref.view(torch.int16)),
            "buffer_shape": list(buf.shape),
@@ -83,7 +85,7 @@ def check_ffn(T: int, D: int, Fh: int) -> dict:
     w1, w2 = torch.randn(Fh, D, device="cuda") * D ** -0.5, torch.randn(D, Fh, device="cuda") * Fh ** -0.5
     dy = torch.randn(T, D, device="cuda", dtype=BF)
     outs = []
-    for fn in (srelu24_ffn, srelu24_ffn_kernels):
+    for fn in (srelu24_ffn, lambda x, a, b, r: ffn(x, a, b, OpOptions(r))):
         xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
         with torch.autocast("cuda", dtype=BF):
             y = fn(xx, a, b, RECIPE)
@@ -113,7 +115,7 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled, density=None, clocks
         return F.linear(F.silu(F.linear(x, a)) * F.linear(x, b), c)
 
     def sparse(x, w1, w2):
-        return srelu24_ffn_kernels(x, w1, w2, MODEL_RECIPE)
+        return ffn(x, w1, w2, OpOptions(MODEL_RECIPE))
 
     runs = {"dense_eager": fwbw(dense, x, [w1, w2], gy), "dense_compiled": fwbw(compiled, x, [w1, w2], gy),
             "swiglu": fwbw(swiglu, x, [g1, g3, g2], gy), "srelu24": fwbw(sparse, x, [w1, w2], gy)}
@@ -150,16 +152,15 @@ def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=No
     from training.float8 import convert
 
     x, gy, w1, w2 = ffn_inputs(D, Fh, T, requires_grad=True, density=density)
-    mods = {"dense_bf16": SReLU(D, Fh), "dense_float8": SReLU(D, Fh), "srelu24_float8_bf16_sparse": SReLU24(D, Fh),
-            "srelu24_float8_e4m3_sparse": SReLU24(D, Fh)}
-    mods["srelu24_float8_bf16_sparse"].sparse_float8 = False
+    mods = {"dense_bf16": SReLU(D, Fh), "dense_float8": SReLU(D, Fh),
+            "srelu24_float8_bf16_sparse": SReLU24(D, Fh, OpOptions(MODEL_RECIPE, recipe, sparse_float8=False)),
+            "srelu24_float8_e4m3_sparse": SReLU24(D, Fh, OpOptions(MODEL_RECIPE, recipe))}
     runs = {}
     for v, m in mods.items():
         m.w1.weight.data, m.w2.weight.data = w1.detach().clone(), w2.detach().clone()
         m = m.cuda().to(BF)
         if isinstance(m, SReLU24):
             m.set_2to4(True)
-            m.recipe = MODEL_RECIPE
         if v != "dense_bf16":  # under a parent, so that the names are a model's ("ffn.w1")
             convert(torch.nn.ModuleDict({"ffn": m}), Float8(recipe), fsdp=False)
         fn = torch.compile(m) if not isinstance(m, SReLU24) else m
@@ -300,12 +301,15 @@ def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
     out = {}
     for t, what in ((128, "host"), (T, "gpu")):
         x, gy, w1, w2 = ffn_inputs(D, Fh, t, requires_grad=True, density=density)
-        sparse = fwbw(lambda x, a, b: srelu24_ffn_kernels(x, a, b, MODEL_RECIPE), x, [w1, w2], gy)
+        sparse = fwbw(lambda x, a, b: ffn(x, a, b, OpOptions(MODEL_RECIPE)), x, [w1, w2], gy)
         if what == "host":
             dense = fwbw(lambda x, a, b: F.linear(F.relu(F.linear(x, a)).square(), b), x, [w1, w2], gy)
             buf, _ = srelu_sparsify_2to4(F.linear(x, w1).detach())
             xd, w1d, w2d = x.detach(), w1.detach(), w2.detach()
-            y, saved, counts, _ = srelu24_ffn_fwd(xd, w1d, w2d, False, 0.05, True, True)
+            o = OpOptions(RECIPE)
+            fwd_args = (xd, w1d, w2d, [], None, None, False, *o.flags())
+            y, saved, counts, _ = ffn_forward(*fwd_args)
+            bwd_args = (gy, xd, w1d, w2d, saved, counts, keeps_a24(xd, w1d, True), [], None, None, *o.flags())
             z = F.linear(xd, w1d)
             perm = torch.randperm(t, device="cuda")
             da = gy @ w2d
@@ -313,17 +317,15 @@ def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
                         "host_ms_one_sparse_mm": host_ms(lambda: sparse_mm(buf, w2.t())),
                         "host_ms_one_torch_cslt_sparse_mm": host_ms(lambda: torch._cslt_sparse_mm(buf, w2d.t())),
                         "host_ms_one_dense_mm": host_ms(lambda: F.linear(xd, w1d)),
-                        "host_ms_op_fwd": host_ms(lambda: srelu24_ffn_fwd(xd, w1d, w2d, False, 0.05, True, True)),
-                        "host_ms_op_bwd": host_ms(lambda: srelu24_ffn_bwd(gy, xd, w1d, w2d, saved, counts, True, 0.05,
-                                                                          True)),
+                        "host_ms_op_fwd": host_ms(lambda: ffn_forward(*fwd_args)),
+                        "host_ms_op_bwd": host_ms(lambda: ffn_backward(*bwd_args)),
                         "host_ms_sparsify_launch": host_ms(lambda: srelu_sparsify_2to4(z)),
                         "host_ms_backward_operands_launch": host_ms(lambda: backward_operands(z, da, perm, None)),
                         "host_ms_randperm_sort": host_ms(lambda: (torch.randperm(t, device="cuda"),
                                                                   torch.sort(-counts, stable=True)))})
-            impl = getattr(srelu24_ffn_bwd, "_init_fn", None)  # the Python function under the op
+            impl = getattr(ffn_backward, "_init_fn", None)  # the Python function under the op
             if impl is not None:
-                out["host_ms_bwd_without_op_dispatch"] = host_ms(lambda: impl(gy, xd, w1d, w2d, saved, counts, True, 0.05,
-                                                                              True))
+                out["host_ms_bwd_without_op_dispatch"] = host_ms(lambda: impl(*bwd_args))
         else:
             k, top = kernel_ms(sparse)
             out.update({"T": T, "srelu24_fwbw_do_bench_ms": bench(sparse), "srelu24_fwbw_kernel_ms": k,
@@ -356,7 +358,7 @@ def time_shape(name: str, D: int, Fh: int, T: int, compiled, density=None) -> di
 
     def sparse_fw():  # the product's path (custom op, default launch configuration), no autograd
         with torch.no_grad():
-            return srelu24_ffn_kernels(x, w1, w2, RECIPE)
+            return ffn(x, w1, w2, OpOptions(RECIPE))
 
     def dense_fw():
         return F.linear(F.relu(F.linear(x, w1)).square(), w2)
@@ -418,7 +420,7 @@ def plot_breakdown(result: Path) -> Path:
     return png
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="4096,16384,65536")
     ap.add_argument("--shapes", default="1B,7B")
@@ -435,19 +437,18 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_ffn.json")
     ap.add_argument("--replot", type=Path, metavar="JSON",
                     help="only redraw the breakdown figure of a saved result (no GPU needed), next to it")
-    args = ap.parse_args()
-    if args.replot:
-        print(f"wrote {plot_breakdown(args.replot)}")
-        return 0
+    args = ap.parse_args(argv)
     if args.density is not None and not 0.0 < args.density < 1.0:
         ap.error(f"--density is the fraction of positive pre-activations, in (0, 1); got {args.density}")
     if args.repeats < 1:
         ap.error(f"--repeats is the number of rounds of the float8 part, >= 1; got {args.repeats}")
     if bad := [n for n in args.shapes.split(",") if n not in SHAPES]:
         ap.error(f"--shapes: unknown shape(s) {bad}; valid: {list(SHAPES)}")
-    if not torch.cuda.is_available():
-        print("error: bench_ffn.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+    return args
+
+
+def measure(args) -> dict:
+    """Every part asked for, as the JSON record holds them (printed as they come)."""
     torch.manual_seed(0)
     parts_wanted = set(args.parts.split(","))
     checks = []
@@ -480,15 +481,14 @@ def main() -> int:
     bd = {k: breakdown(*v, args.density) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
     bk = {k: backward_kernels(*v, args.density) for k, v in shapes_bd.items()} if "breakdown" in parts_wanted else {}
     overhead = {k: host_and_gpu(*v, args.density) for k, v in shapes_bd.items()} if "overhead" in parts_wanted else {}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
-                                    "environment": environment(), "density": args.density,
-                                    "checks": checks, "forward": rows,
-                                    "fwbw": fb, "float8": f8, "backward_derived": derived_backward(rows, fb), "breakdown": bd,
-                                    "backward_kernels": bk,
-                                    "overhead": overhead}, indent=2))
-    if bd:
-        print(f"wrote {plot_breakdown(args.out)}")
+    return {"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv, "environment": environment(),
+            "density": args.density, "checks": checks, "forward": rows, "fwbw": fb, "float8": f8,
+            "backward_derived": derived_backward(rows, fb), "breakdown": bd, "backward_kernels": bk, "overhead": overhead}
+
+
+def print_timings(result: dict, density) -> None:
+    """The forward and fw+bw tables."""
+    rows, fb = result["forward"], result["fwbw"]
     print(f"\n{torch.cuda.get_device_name()}: forward")
     print("| shape | T | copy | fused sparsify (x copy) | Triton's | dense fw eager | dense fw compiled | swiglu fw | srelu24 fw "
           "| vs eager | vs compiled |")
@@ -498,15 +498,19 @@ def main() -> int:
               f"{r['sparsify_backend']}) | {r['sparsify_triton_ms']:.3f} "
               f"| {r['fw_dense_eager_ms']:.3f} | {r['fw_dense_compiled_ms']:.3f} | {r['fw_swiglu_ms']:.3f} "
               f"| {r['fw_srelu24_ms']:.3f} | {r['fw_speedup_vs_eager']:.2f}x | {r['fw_speedup_vs_compiled']:.2f}x |")
-    print(f"\nforward + backward (ms){'' if args.density is None else f', pre-activation density {args.density}'}")
+    print(f"\nforward + backward (ms){'' if density is None else f', pre-activation density {density}'}")
     print("| shape | T | dense eager | dense compiled | swiglu | srelu24 | vs eager | vs compiled |")
     print("|---|---|---|---|---|---|---|---|")
     for r in fb:
         print(f"| {r['shape']} | {r['T']} | {r['fwbw_dense_eager_ms']:.3f} | {r['fwbw_dense_compiled_ms']:.3f} "
               f"| {r['fwbw_swiglu_ms']:.3f} | {r['fwbw_srelu24_ms']:.3f} | {r['fwbw_speedup_vs_eager']:.2f}x "
               f"| {r['fwbw_speedup_vs_compiled']:.2f}x |")
-    if f8:
-        print(f"\nforward + backward in float8 ({args.float8}; ms): dense srelu with torchao, srelu24 with its 2:4 GEMMs in "
+
+
+def print_float8(f8: list, recipe: str) -> None:
+    if not f8:
+        return
+        print(f"\nforward + backward in float8 ({recipe}; ms): dense srelu with torchao, srelu24 with its 2:4 GEMMs in "
               "bf16 or e4m3")
         print("| shape | T | dense bf16 | dense float8 | srelu24, bf16 2:4 | srelu24, e4m3 2:4 | e4m3 2:4 vs dense float8 |")
         print("|---|---|---|---|---|---|---|")
@@ -528,6 +532,11 @@ def main() -> int:
                       "(ms, launches per fw+bw):")
                 for k, t, c in r[f"top_kernels_{v}"]:
                     print(f"  {t:8.3f}  {c:4.1f}  {k}")
+
+
+def print_details(result: dict) -> None:
+    """Clocks, the derived backward, the piece-by-piece breakdown, the backward kernel, host time."""
+    fb, bd, bk, overhead = result["fwbw"], result["breakdown"], result["backward_kernels"], result["overhead"]
     for r in fb:
         if r.get("clocks"):
             print(f"\nclocks while each fw+bw runs back to back ({r['shape']}, T={r['T']}; nvidia-smi medians)")
@@ -536,7 +545,7 @@ def main() -> int:
             for v, c in r["clocks"].items():
                 print(f"| {v} | {c.get('sm_clock_mhz', '-')} | {c.get('power_w', '-')} | "
                       f"{' '.join(c.get('throttle_reasons', [])) or c.get('error', '')} |")
-    bw = derived_backward(rows, fb)
+    bw = result["backward_derived"]
     if bw:
         print("\nbackward (ms): fw+bw median minus forward median, same run")
         print("| shape | T | dense eager | dense compiled | swiglu | srelu24 | vs eager | vs compiled |")
@@ -560,6 +569,24 @@ def main() -> int:
                   f"| {o.get('cuda_equals_triton', 'not built')} | {o.get('cuda_a24_equals_triton', 'not built')} |")
     for name, o in overhead.items():
         print(f"\nhost and GPU at {name}: " + json.dumps(o))
+
+
+def main() -> int:
+    args = parse_args()
+    if args.replot:
+        print(f"wrote {plot_breakdown(args.replot)}")
+        return 0
+    if not torch.cuda.is_available():
+        print("error: bench_ffn.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    result = measure(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    if result["breakdown"]:
+        print(f"wrote {plot_breakdown(args.out)}")
+    print_timings(result, args.density)
+    print_float8(result["float8"], args.float8)
+    print_details(result)
     return 0
 
 

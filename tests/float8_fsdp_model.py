@@ -27,7 +27,7 @@ if not cuda:
 t = TrainerConfig(strategy=Strategy.fsdp, device=device, float8=Float8.tensorwise, compile=cuda)
 d = setup(t)
 cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, swiglu_hidden=128, max_seq_len=64)
-make = lambda: Transformer(cfg, FFNConfig(kind="srelu24"), 96)  # noqa: E731
+make = lambda: Transformer(cfg, FFNConfig(kind="srelu24"), 96, float8="tensorwise")  # noqa: E731
 model, step_module = build_model(make, t, d, 0, False)
 ref, _ = build_model(make, TrainerConfig(device=device, float8=Float8.tensorwise, compile=cuda),
                      Dist(device=d.device), 0, False)

@@ -84,7 +84,7 @@ def cpu_scaled_mm_runs(recipe: str) -> bool:
     if recipe not in _CPU_SCALED_MM:
         import torch
 
-        from kernels import fp8_gemm
+        from kernels.float8 import gemm as fp8_gemm
 
         major, minor = (int(v) for v in torch.__version__.split(".")[:2])
         if (major, minor) >= (2, 13):  # it does: a failure there is the code's, and must fail the tests
@@ -97,3 +97,23 @@ def cpu_scaled_mm_runs(recipe: str) -> bool:
         except RuntimeError:
             _CPU_SCALED_MM[recipe] = False
     return _CPU_SCALED_MM[recipe]
+
+
+def kernel_ffn(x, w1, w2, recipe, stats=None, float8: str = "none", sparse_float8: bool = True):
+    """kernels.srelu24.op.ffn, its options spelled out (the tests' shorthand)."""
+    from kernels.srelu24.op import OpOptions, ffn
+
+    return ffn(x, w1, w2, OpOptions(recipe, float8, sparse_float8), stats)
+
+
+def forward_args(x, w1, w2, collect_stats: bool, options) -> tuple:
+    """srelu24::ffn_forward's arguments for a call without a step's state."""
+    return (x, w1, w2, [], None, None, collect_stats, *options.flags())
+
+
+def backward_args(dy, x, w1, w2, saved, counts, options) -> tuple:
+    """srelu24::ffn_backward's arguments for a forward's outputs, without a step's state."""
+    from kernels.srelu24.op import keeps_a24
+
+    return (dy, x, w1, w2, saved, counts, keeps_a24(x, w1, options.recipe.reuse_forward_mask), [], None, None,
+            *options.flags())

@@ -1,4 +1,4 @@
-"""trainer.float8 (training/float8.py, kernels/fp8_gemm.py): which linears torchao converts and in
+"""trainer.float8 (training/float8.py, kernels/float8/gemm.py): which linears torchao converts and in
 which order build_model applies it, the FSDP2 float8 all-gather, the srelu24 op's dense float8
 GEMMs against torchao's casts and their fp32 reference, the configs, and the error where float8
 cannot run. torch's CPU _scaled_mm (torch >= 2.13) runs the float8 GEMMs here; the GPU tests run
@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 import triton
 
-import kernels.fp8_gemm as fp8
-from helpers import EXPERIMENTS, ROOT, compose_config, run_train, tiny_overrides, to_object, with_cache
+import kernels.float8.gemm as fp8
+from helpers import (EXPERIMENTS, ROOT, compose_config, forward_args, kernel_ffn, run_train, tiny_overrides, to_object,
+                     with_cache)
 from model import FFNConfig, ModelConfig, Transformer
 from training import float8
 from training.config import Float8, OptimConfig, Strategy, TrainerConfig
@@ -24,9 +25,9 @@ RECIPES = [Float8.tensorwise, Float8.rowwise]
 TINY = ModelConfig(name="t", dim=64, n_layers=2, n_heads=2, swiglu_hidden=128, max_seq_len=64)
 
 
-def meta_model(kind: str, cfg: ModelConfig = TINY, vocab: int = 96) -> Transformer:
+def meta_model(kind: str, cfg: ModelConfig = TINY, vocab: int = 96, float8: str = "none") -> Transformer:
     with torch.device("meta"):
-        return Transformer(cfg, FFNConfig(kind=kind), vocab)
+        return Transformer(cfg, FFNConfig(kind=kind), vocab, float8=float8)
 
 
 def linear_types(model: nn.Module) -> dict:
@@ -54,7 +55,7 @@ def adamw_losses(model: nn.Module, opt, batches: list, steps: int) -> list[float
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("kind", ["swiglu", "srelu", "srelu24"])
 def test_every_block_linear_converts_and_the_output_head_stays_bf16(kind, recipe):
-    model = meta_model(kind)
+    model = meta_model(kind, float8=recipe.value)
     float8.convert(model, recipe, fsdp=False)
     types = linear_types(model)
     ffn = ["w1", "w3", "w2"] if kind == "swiglu" else ["w1", "w2"]
@@ -72,7 +73,7 @@ def test_every_block_linear_converts_and_the_output_head_stays_bf16(kind, recipe
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_rowwise_sets_inductors_cast_settings_and_tensorwise_leaves_them(recipe):
     """rowwise: eager's rounding in compiled casts and N-D tiling for their transposed copies
-    (benchmarks/RESULTS.md, session 14); tensorwise gained nothing from the tiling and keeps the defaults."""
+    (benchmarks/RESULTS.md); tensorwise gained nothing from the tiling and keeps the defaults."""
     import torch._inductor.config as ic
 
     with ic.patch({"emulate_precision_casts": False, "triton.prefer_nd_tiling": False}):
@@ -86,7 +87,7 @@ def test_linears_with_a_dim_not_divisible_by_16_stay_bf16():
     then keeps its op's dense GEMMs in bf16 too."""
     cfg = ModelConfig(name="t", dim=40, n_layers=1, n_heads=2, swiglu_hidden=128, max_seq_len=64)
     for kind in ("swiglu", "srelu24"):
-        model = meta_model(kind, cfg)
+        model = meta_model(kind, cfg, float8="rowwise")
         float8.convert(model, Float8.rowwise, fsdp=False)
         assert set(linear_types(model).values()) == {"Linear"}
         assert kind != "srelu24" or model.layers[0].feed_forward.float8 == "none"
@@ -116,7 +117,7 @@ def test_fsdp_all_gathers_float8_weights_where_the_recipe_can(recipe, gathers):
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     for kind in ("swiglu", "srelu24"):
-        model = meta_model(kind)
+        model = meta_model(kind, float8=recipe.value)
         float8.convert(model, recipe, fsdp=True)
         wrapped = {n for n, p in model.named_parameters() if isinstance(p, WeightWithDynamicFloat8CastTensor)}
         want = {f"layers.{i}.attention.{w}.weight" for i in range(TINY.n_layers) for w in ("wq", "wk", "wv", "wo")}
@@ -181,7 +182,7 @@ def test_float8_training_follows_bf16_on_cpu(monkeypatch, kind, recipe):
     losses = {}
     for r in (Float8.none, recipe):
         t = TrainerConfig(float8=r, device="cpu")
-        model, _ = build_model(lambda: Transformer(TINY, FFNConfig(kind=kind), 96), t, Dist(), 0, False)
+        model, _ = build_model(lambda: Transformer(TINY, FFNConfig(kind=kind), 96, float8=r.value), t, Dist(), 0, False)
         opt = build_optimizer(model, OptimConfig(lr=3e-3, warmup_steps=0), torch.device("cpu"))
         losses[r] = adamw_losses(model, opt, [batch], 6)
     ref, got = losses[Float8.none], losses[recipe]
@@ -350,8 +351,8 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
     """The kernel FFN (CPU: Triton interpreter, cuSPARSELt stood in for) calls fp8_gemm for
     Z = X W1^T (forward) and dA = dY W2 (backward, as a gradient) and nothing else; its output and
     gradients stay near the bf16 op's."""
-    import kernels.srelu24_ffn as K
-    from kernels.srelu24_reference import SReLU24Recipe
+    import kernels.srelu24.op as K
+    from kernels.srelu24.reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     calls, real = [], fp8.mm
@@ -368,7 +369,7 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
     outs = {}
     for setting in ("none", recipe):
         xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
-        y = K.srelu24_ffn_kernels(xx, a, b, SReLU24Recipe(False, 0.05, True), None, setting)
+        y = kernel_ffn(xx, a, b, SReLU24Recipe(False, 0.05, True), None, setting)
         y.backward(dy)
         outs[setting] = [y, xx.grad, a.grad, b.grad]
     assert calls == [((100, 64), (64, 128), recipe, False), ((100, 64), (64, 128), recipe, True)]
@@ -378,18 +379,19 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
 
 
 def test_srelu24_op_with_float8_passes_opcheck_and_compiles_in_one_graph(monkeypatch):
-    import kernels.srelu24_ffn as K
-    from kernels.srelu24_reference import SReLU24Recipe
+    import kernels.srelu24.op as K
+    from kernels.srelu24.reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(100, 64, generator=g).bfloat16().requires_grad_()
     w1 = (torch.randn(128, 64, generator=g) / 8).bfloat16().requires_grad_()
     w2 = (torch.randn(64, 128, generator=g) / 11).bfloat16().requires_grad_()
-    torch.library.opcheck(K.srelu24_ffn_fwd, (x, w1, w2, False, 0.05, False, True, "rowwise", True))
+    torch.library.opcheck(K.ffn_forward, forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(False, 0.05, True),
+                                                                                     "rowwise")))
 
     def ffn(xx, a, b):
-        return K.srelu24_ffn_kernels(xx, a, b, SReLU24Recipe(False, 0.05, True), None, "tensorwise")
+        return kernel_ffn(xx, a, b, SReLU24Recipe(False, 0.05, True), None, "tensorwise")
 
     torch._dynamo.reset()
     want = ffn(x, w1, w2)
@@ -477,7 +479,7 @@ def test_fp8_mm_on_cuda_equals_its_reference(recipe, grad, m, k, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rowwise_column_scales_of_a_row_major_b_on_cuda(dtype):
-    """dA = dY W2's B (W2 [d, F] row-major, scales per column): on a GPU fp8_cast.columns_to_e4m3, the
+    """dA = dY W2's B (W2 [d, F] row-major, scales per column): on a GPU kernels.float8.cast.columns_to_e4m3, the
     cast written K-major. bf16: torchao's bytes and scales (the PyTorch path's) bit for bit. fp32:
     the largest power-of-2 scales that fit, which torchao's float32 log2 exceeds 2x for rare amaxes."""
     g = torch.Generator().manual_seed(6)
@@ -497,8 +499,8 @@ def test_rowwise_column_scales_of_a_row_major_b_on_cuda(dtype):
 def test_srelu24_kernels_in_float8_on_cuda_follow_bf16(recipe):
     """The real 2:4 kernels and cuSPARSELt with the dense GEMMs in float8: output and gradients
     close to the bf16 op's."""
-    import kernels.srelu24_ffn as K
-    from kernels.srelu24_reference import SReLU24Recipe
+    import kernels.srelu24.op as K
+    from kernels.srelu24.reference import SReLU24Recipe
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2048, 256, generator=g).bfloat16().cuda()
@@ -507,7 +509,7 @@ def test_srelu24_kernels_in_float8_on_cuda_follow_bf16(recipe):
     outs = {}
     for setting in ("none", recipe):
         xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
-        y = K.srelu24_ffn_kernels(xx, a, b, SReLU24Recipe(), None, setting)
+        y = kernel_ffn(xx, a, b, SReLU24Recipe(), None, setting)
         torch.manual_seed(3)  # the same token permutation
         y.backward(dy)
         outs[setting] = [y, xx.grad, a.grad, b.grad]
@@ -534,7 +536,7 @@ def test_compiled_float8_training_on_cuda_follows_bf16(kind, recipe):
     losses = {}
     for r in (Float8.none, recipe):
         t = TrainerConfig(float8=r, compile=True, device="cuda")
-        model, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=kind), 1024), t,
+        model, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=kind), 1024, float8=r.value), t,
                                Dist(device=device), 0, False)
         model.set_2to4(kind == "srelu24")
         opt = build_optimizer(model, OptimConfig(lr=1e-3, warmup_steps=0), device)
@@ -561,7 +563,7 @@ def test_float8_first_step_gradients_on_cuda(kind, recipe):
     batch = torch.randint(0, 1024, (8, 257), generator=torch.Generator().manual_seed(8)).cuda()
     grads = {}
     for r in (Float8.none, recipe):
-        model, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=kind), 1024),
+        model, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=kind), 1024, float8=r.value),
                                TrainerConfig(float8=r, compile=False, device="cuda"), Dist(device=torch.device("cuda")),
                                0, False)
         model.set_2to4(kind == "srelu24")

@@ -1,4 +1,4 @@
-"""Tests of the 2:4 activation-sparsity reference (kernels/srelu24_reference.py) and of the srelu24 FFN
+"""Tests of the 2:4 activation-sparsity reference (kernels/srelu24/reference.py) and of the srelu24 FFN
 module built on it. The backward is checked against a manual computation of the recipe in
 docs/METHOD.md, The recipe: forward mask re-applied to dZ, weight gradients 2:4 along tokens
 after a token permutation, the densest features kept dense."""
@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import model.ffn as ffn_mod
 from model import FFNConfig, ModelConfig, Transformer
 from model.ffn import SReLU, SReLU24
-from kernels.srelu24_reference import SReLU24Recipe, densest_features, mask_2to4, sparsify_tokens_2to4, srelu24_ffn
+from kernels.srelu24.options import OpOptions
+from kernels.srelu24.reference import SReLU24Recipe, densest_features, mask_2to4, sparsify_tokens_2to4, srelu24_ffn
 
 pytestmark = pytest.mark.filterwarnings("ignore:srelu24. using the pure-PyTorch")
 
@@ -390,7 +391,7 @@ def test_backward_with_3d_input_and_partial_token_group():
 def _pair(d=32, h=64, seed=50, recipe=SReLU24Recipe()):
     torch.manual_seed(seed)
     dense = SReLU(d, h).double()
-    sp = SReLU24(d, h, recipe).double()
+    sp = SReLU24(d, h, OpOptions(recipe)).double()
     sp.load_state_dict(dense.state_dict())
     return dense, sp
 
@@ -481,7 +482,7 @@ def test_transformer_set_2to4_flips_every_layer():
 def test_random_token_order_is_an_int32_permutation_from_the_cpu_generator():
     """Drawn on the host (a GPU randperm is a dozen sort launches per layer), reproducible from
     torch.manual_seed, on the device asked for."""
-    from kernels.srelu24_reference import random_token_order
+    from kernels.srelu24.reference import random_token_order
 
     torch.manual_seed(5)
     a = random_token_order(1000, "cpu")

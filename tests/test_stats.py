@@ -7,7 +7,7 @@ import torch
 
 from helpers import run_train, tiny_overrides, write_corpus
 from model import FFN_REGISTRY, FFNConfig, ModelConfig, Transformer
-from kernels.srelu24_reference import mask_2to4
+from kernels.srelu24.reference import mask_2to4
 from kernels.ffn_stats import (DENSE_FEATURE_DENSITY, N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, derive,
                          srelu24_sums)
 from training.metrics import PEAK_BF16_TFLOPS, Throughput, peak_flops

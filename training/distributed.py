@@ -164,8 +164,7 @@ def build_model(make, t: TrainerConfig, d: Dist, seed: int, bf16_params: bool) -
     3. torch.compile of each block and of the loss head (trainer.compile),
     4. sharding: fully_shard of each block, then of the root (fsdp),
     5. materialise: to_empty on the device, then the model's own reset_parameters from `seed`
-       (whole tensors from the CPU RNG: the same weights for any strategy and world size);
-       one process: srelu24's weight gradients added into .grad by its op (`grads_in_place`),
+       (whole tensors from the CPU RNG: the same weights for any strategy and world size),
     6. DistributedDataParallel around it (ddp).
     Returns (model, train_module): the model (its parameter names never change: checkpoints,
     export and evaluation use it) and what a training step calls (DDP's wrapper, or the model)."""
@@ -183,8 +182,6 @@ def build_model(make, t: TrainerConfig, d: Dist, seed: int, bf16_params: bool) -
     model.to_empty(device=d.device)
     torch.manual_seed(seed)
     model.reset_parameters()
-    if t.strategy == Strategy.none:
-        grads_in_place(model)
     if t.strategy == Strategy.ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -194,19 +191,6 @@ def build_model(make, t: TrainerConfig, d: Dist, seed: int, bf16_params: bool) -
                 else {"broadcast_buffers": False})  # the older name (torch < 2.13)
         return model, DDP(model, device_ids=ids, **sync)
     return model, model
-
-
-def grads_in_place(model: nn.Module) -> None:
-    """One process: srelu24's e4m3 op adds its fp32 weights' gradients into .grad itself, one pass
-    fewer over each per micro-batch under accumulation (kernels/grads_in_place.py). Not under DDP,
-    whose reducer hooks the gradient accumulation that this bypasses; FSDP2's weights are bf16."""
-    from kernels.grads_in_place import register
-    from model.ffn import SReLU24
-
-    ffns = [m for m in model.modules() if isinstance(m, SReLU24)]
-    for m in ffns:
-        m.grads_in_place = True
-    register(p for m in ffns for p in m.parameters())
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: ActivationCheckpointing) -> None:
@@ -298,9 +282,3 @@ def clip_grad_norm(params: list, max_norm: float) -> torch.Tensor:
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
-
-
-def print0(d: Dist, *args, **kw) -> None:
-    if d.is_main:
-        print(*args, **kw)
-        sys.stdout.flush()

@@ -9,10 +9,11 @@ Which linears convert (torchtitan's module filter):
   the others stay bf16),
 - except the output head `output`, which stays bf16 (the logits, and the loss through them).
 srelu24's w1 and w2 convert like the rest (its dense warmup runs them as Float8Linear). In its 2:4
-phase the custom op reads their weights directly, so this module also sets `SReLU24.float8` to the
-recipe: the op's two dense GEMMs (Z = X W1^T, dA = dY W2) then run in float8, scaled as torchao
-scales (kernels/fp8_gemm.py), and its four 2:4 GEMMs in e4m3 with row-wise power-of-2 scales under
-either recipe (kernels/fp8_sparse.py; ffn.sparse_float8=false keeps them bf16). Its PyTorch
+phase the custom op reads their weights directly and takes the recipe from its own options, which
+the model is built with (`Transformer(..., float8=)`; `convert` checks they agree): the op's two
+dense GEMMs (Z = X W1^T, dA = dY W2) then run in float8, scaled as torchao scales
+(kernels/float8/gemm.py), and its four 2:4 GEMMs in e4m3 with row-wise power-of-2 scales under
+either recipe (kernels/float8/sparse.py; ffn.sparse_float8=false keeps them bf16). Its PyTorch
 reference path (ffn.kernels=false) stays bf16.
 
 The recipes are torchao's (Float8LinearConfig.from_recipe_name):
@@ -33,12 +34,14 @@ raises ConfigError naming the setting. torch.compile (trainer.compile) fuses the
 surrounding kernels; without it float8 is correct but slower. Under rowwise, `convert` also sets
 two of inductor's options for the whole process: emulate_precision_casts (compiled casts round as
 eager's, as torchtitan sets it) and triton.prefer_nd_tiling (the casts' transposed copies tiled in
-2-D: the same bits, the swiglu 7B step 1.09x -> 1.17x of bf16; benchmarks/RESULTS.md, session 14).
+2-D: the same bits, a faster swiglu rowwise step; benchmarks/RESULTS.md).
 """
 import os
 
 import torch
 import torch.nn as nn
+
+from kernels.float8 import scaled_mm_shapes
 
 from .config import Float8
 from .errors import ConfigError
@@ -62,13 +65,22 @@ def check(recipe: Float8, device: torch.device) -> None:
 
 def converts(module: nn.Module, fqn: str) -> bool:
     """torchtitan's filter: linears with both dims divisible by 16, not the output head."""
-    return (isinstance(module, nn.Linear) and fqn != HEAD
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    return isinstance(module, nn.Linear) and fqn != HEAD and scaled_mm_shapes(module.in_features, module.out_features)
 
 
 def convert(model: nn.Module, recipe: Float8, fsdp: bool) -> None:
     """Swap the linears that `converts` picks for torchao's Float8Linear (in place, on any device,
-    the meta device included) and set srelu24's dense GEMMs to `recipe`. No hardware check: `check`."""
+    the meta device included). srelu24's op takes the recipe from its options, which the model was
+    built with (Transformer(..., float8=)): a model built for another recipe is a ValueError. No
+    hardware check: `check`."""
+    from model.ffn import SReLU24
+
+    srelu24 = {name: m for name, m in model.named_modules() if isinstance(m, SReLU24)}
+    for name, m in srelu24.items():
+        want = recipe.value if converts(m.w1, f"{name}.w1") and converts(m.w2, f"{name}.w2") else "none"
+        if m.options.float8 != want:
+            raise ValueError(f"{name}: srelu24's op was built for float8={m.options.float8}, the trainer runs "
+                             f"{recipe.value}: build the model with Transformer(..., float8={recipe.value!r})")
     if recipe == Float8.none:
         return
     # The float8 training path is Python + torch._scaled_mm; torchao's compiled extensions (other
@@ -77,8 +89,6 @@ def convert(model: nn.Module, recipe: Float8, fsdp: bool) -> None:
     from dataclasses import replace
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    from model.ffn import SReLU24
 
     config = Float8LinearConfig.from_recipe_name(recipe.value)
     if recipe == Float8.rowwise:
@@ -90,10 +100,6 @@ def convert(model: nn.Module, recipe: Float8, fsdp: bool) -> None:
         # tiling tiles those copies well (same bits, 7B step 7% faster). bf16's step and
         # tensorwise's casts (lab/probe_float8_casts.py) gained nothing from it, so only here.
         torch._inductor.config.triton.prefer_nd_tiling = True
-    srelu24 = {name: m for name, m in model.named_modules() if isinstance(m, SReLU24)}
-    for name, m in srelu24.items():
-        if converts(m.w1, f"{name}.w1") and converts(m.w2, f"{name}.w2"):
-            m.float8 = recipe.value
     theirs = {f"{name}.{w}" for name in srelu24 for w in ("w1", "w2")}
     gather = fsdp and recipe == Float8.tensorwise
     convert_to_float8_training(model, config=replace(config, enable_fsdp_float8_all_gather=gather),

@@ -1,9 +1,14 @@
 """One optimizer step, top to bottom: the function the trainer's loop calls and
 scripts/bench_step.py times, so that the benchmark measures what training runs.
 
-    sparsity switch -> LR -> micro-batches (forward, backward, gradient accumulation; srelu24's
-    e4m3 weight conversions kept across them) -> clip -> non-finite check -> AdamW (-> float8 scales)
-    -> statistics (logged steps only)
+    sparsity switch -> LR -> micro-batches (forward, backward, gradient accumulation, inside
+    srelu24's step state) -> clip -> non-finite check -> AdamW (-> float8 scales) -> statistics
+    (logged steps only)
+
+srelu24's step state (model/ffn.py, `srelu24_step`): under gradient accumulation its e4m3 weight
+conversions are made once when the step begins and reused by every micro-batch, and its op adds
+the weight gradients into .grad itself; both end with the micro-batches, before the optimizer
+writes the weights.
 
 The non-finite check: one process, nonfinite=skip and a fused Adam/AdamW skip on the device (the
 optimizer's found_inf), with no host sync; the count of skipped steps is read back on logged steps
@@ -20,7 +25,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import Tensor, nn
 
-from kernels.weight_casts import reuse_within_step
+from model.ffn import srelu24_step
 
 from .distributed import Dist, agree, clip_grad_norm, local, sum_over_ranks
 from .errors import TrainingError
@@ -116,10 +121,11 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
         group["lr"] = lr
 
     loss_sum, data_s = torch.zeros((), device=d.device), 0.0
-    # the weights stand still until the optimizer step: srelu24's e4m3 conversions of them are made
-    # by the first micro-batch and reused by the others, then dropped (kernels/weight_casts.py);
-    # not under FSDP2, whose gathered weights live for one use
-    with reuse_within_step(enabled=p.accum > 1 and not is_fsdp(p.model)):
+    # one micro-batch has nothing to share. FSDP2 gathers its weights anew for each use; DDP's reducer
+    # hooks autograd's accumulation into .grad, which srelu24's op would bypass
+    several, fsdp = p.accum > 1, is_fsdp(p.model)
+    with srelu24_step(model, keep_conversions=several and not fsdp,
+                      grads_in_place=several and not fsdp and p.train_module is p.model):
         for micro in range(p.accum):
             t0 = time.perf_counter()
             x, y = next_batch()

@@ -1,6 +1,6 @@
 """cuSPARSELt's compressed layout of a 2:4 bf16 matrix on sm90, in pure PyTorch.
 
-The reference for the fused sparsify kernel (kernels/srelu24_sparsify.py). The layout was worked out
+The reference for the fused sparsify kernel (kernels/srelu24/sparsify.py). The layout was worked out
 and verified byte-for-byte against `torch._cslt_compress` (docs/METHOD.md, cuSPARSELt's compressed layout (sm90)):
 
 - values: [M, K/2] row-major, for each group of 4 along K its 2 kept values in position order;
@@ -19,9 +19,22 @@ metadata becomes an e4m3 buffer's by one fixed permutation of each 512-byte bloc
 (e4m3_metadata). K must be a multiple of 64.
 """
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 ROWS_PER_BAND, COLS_PER_CHUNK = 64, 32
+
+
+def padded(n: int, multiple: int) -> int:
+    """n rounded up to a multiple: a compressed operand's rows to ROWS_PER_BAND, a 2:4 reduction
+    dimension to COLS_PER_CHUNK (the sparse operands' tokens pad to one or the other)."""
+    return -(-n // multiple) * multiple
+
+
+def pad_rows(t: Tensor, multiple: int) -> Tensor:
+    """t [n, ...] with zero rows appended up to padded(n, multiple) (t itself where none are needed)."""
+    extra = padded(t.shape[0], multiple) - t.shape[0]
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, extra)) if extra else t
 
 
 def check_shape(m: int, k: int) -> None:

@@ -1,8 +1,8 @@
-"""Dense float8 GEMMs for the srelu24 custom op (kernels/srelu24_ffn.py): with trainer.float8 set,
+"""Dense float8 GEMMs for the srelu24 custom op (kernels/srelu24/op.py): with trainer.float8 set,
 its Z = X W1^T (forward) and dA = dY W2 (backward) run through torch._scaled_mm, scaled as
 torchao's float8 training recipes scale the Float8Linear modules around it
 (torchao.float8.Float8LinearConfig.from_recipe_name; tests/test_float8.py checks the casts against
-torchao's own). Its 2:4 GEMMs are kernels/fp8_sparse.py's.
+torchao's own). Its 2:4 GEMMs are kernels/float8/sparse.py's.
 
     recipe      forward operands   gradient operand dY   one scale per                  accumulation
     tensorwise  e4m3               e5m2                  tensor                         fast in the forward
@@ -11,9 +11,9 @@ torchao's own). Its 2:4 GEMMs are kernels/fp8_sparse.py's.
 
 scale = fp8 max / max(amax, 1e-12) (float64, then float32: torchao's amax_to_scale; on a GPU one
 Triton launch computes it and its reciprocal); values are scaled in fp32, saturated to +-max and
-cast (on a GPU in one Triton pass, kernels/fp8_cast.py, which also writes B column-major);
+cast (on a GPU in one Triton pass, kernels/float8/cast.py, which also writes B column-major);
 torch._scaled_mm takes the scales' reciprocals and writes bf16. On a GPU, rowwise's scales come
-from the amax's bits instead (fp8_cast.pow2_scale, the largest power of 2 with amax * s <= 448):
+from the amax's bits instead (cast.pow2_scale, the largest power of 2 with amax * s <= 448):
 the same as torchao's for a bf16 amax; for an fp32 one, half of torchao's where its float32 log2
 rounds up.
 `mm_reference` computes the same product from the same float8 values in fp32.
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fp8_cast import columns_to_e4m3, pow2_scale_triton, scaled_cast, scaled_cast_reference, to_float8_bits
+from .cast import columns_to_e4m3, pow2_scale_triton, scaled_cast, scaled_cast_reference, to_float8_bits
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # torchao's floor on amax (float8_utils.EPS): an all-zero operand gets a finite scale
@@ -104,7 +104,7 @@ def amax_to_scale(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor
 def _rowwise_e4m3_kernel(x_ptr, out_ptr, scale_ptr, inv_ptr, M, stride_m, K: tl.constexpr, BK: tl.constexpr,
                          BM: tl.constexpr):
     """Rowwise's e4m3 cast of BM rows of x [M, K] (bf16 or fp32, rows contiguous), each row whole in
-    registers: its amax, the power-of-2 scale (fp8_cast.pow2_scale: torchao's for a bf16 amax; 0 for
+    registers: its amax, the power-of-2 scale (cast.pow2_scale: torchao's for a bf16 amax; 0 for
     an inf amax, as torchao's 448 / inf), the row scaled and cast, and 1 / scale. One read of x, one
     launch: the amax reduction, the scale kernel and the cast were three launches and two reads."""
     i = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -148,7 +148,7 @@ def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool
     """(t * scale cast to dtype, scale, 1 / scale): amax over `dim` (kept as size 1; None: the whole
     tensor), as torchao's hp_tensor_to_float8_dynamic. column_major: the cast laid out column-major.
     On a GPU, rowwise e4m3 runs in one launch where the amax runs along t's rows, and in two
-    (fp8_cast.columns_to_e4m3, cast K-major) along the columns of a row-major t (srelu24's W2 for
+    (cast.columns_to_e4m3, cast K-major) along the columns of a row-major t (srelu24's W2 for
     dA = dY W2; the PyTorch path took 193 against 164 µs for an fp32 7B W2 on the H200, and 5-8
     launches more for its fp32 amax's scale): its scales are pow2_scale of the amax, torchao's for a
     bf16 amax (an fp32 one: as rowwise_e4m3's), and a column holding an inf becomes NaN (torchao's,
@@ -172,7 +172,7 @@ def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool
 def b_operand(b: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
     """b [K, N] as _scaled_mm's B: in e4m3, column-major, scaled per column (rowwise) or as a whole,
     and the reciprocal of its scale. mm's conversion of b, on its own so that a weight's can be kept
-    (kernels/weight_casts.py)."""
+    (an optimizer step keeps them: kernels/srelu24/options.py, StepState)."""
     r = RECIPES[recipe]
     b8, _, ib = to_float8(b, E4M3, 0 if r.rowwise else None, r.pow2_scales, column_major=True)
     return b8, ib

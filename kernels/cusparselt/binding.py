@@ -9,11 +9,11 @@ the plan are built once per (shape, layout, algorithm) and kept; a call is one
 
 The descriptors are the ones `torch._cslt_sparse_mm` sets up (aten/src/ATen/native/sparse/cuda/
 cuSPARSELtOps.cpp), so the compressed operand is the same buffer: A [m, k] 2:4 row-major
-(compressed, as kernels/srelu24_sparsify*.py write it), B [k, n] row-major or the transpose of a
+(compressed, as kernels/srelu24/sparsify*.py write it), B [k, n] row-major or the transpose of a
 row-major [n, k], D [m, n] row-major bf16 (or column-major: torch's `transpose_result`, the product
 returned as its transpose [n, m], which is how the weight gradient dW2 is wanted), fp32 accumulation.
 A and B in bf16, or both in e4m3 (B then K-major, the transpose of a row-major [n, k]; D still bf16:
-kernels/fp8_sparse.py). The library is the one torch
+kernels/float8/sparse.py). The library is the one torch
 loaded. Each new plan's product is checked once against torch's; any failure (library not
 found, an error status, a different product) falls back to torch._cslt_sparse_mm with a
 warning, so this can only make the GEMM cheaper to launch, never wrong. Inputs it was not built
@@ -247,3 +247,11 @@ def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) ->
                 _PLANS[key] = _new_plan(a, b, key)
             plan = _PLANS[key]
     return torch_mm(a, b, alg, transpose_result) if plan is None else plan.run(a, b)
+
+
+def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:
+    """A @ B with A compressed (bf16 or e4m3, as cached_mm takes them), at the searched algorithm
+    id; transpose_result: (A @ B)^T [n, m], cuSPARSELt's column-major output. On a GPU through
+    the cached plans, elsewhere (the CPU stand-in in tests) through torch's op."""
+    alg = searched_alg(a, b, transpose_result)
+    return cached_mm(a, b, alg, transpose_result) if a.is_cuda else torch_mm(a, b, alg, transpose_result)

@@ -2,9 +2,9 @@
 directly in cuSPARSELt's sm90 compressed layout (the operand of `torch._cslt_sparse_mm`),
 plus the per-feature count of kept non-zeros (for the dense-feature split).
 
-Reference: `srelu_sparsify_2to4_reference` (PyTorch: kernels.srelu24_reference.mask_2to4 +
-kernels.cslt_layout.compress). The Triton kernel must match it bit for bit, and so must the
-CUDA C++ version (kernels/csrc/srelu24_sparsify.cu, `make kernels`), which runs instead where it
+Reference: `srelu_sparsify_2to4_reference` (PyTorch: kernels.srelu24.reference.mask_2to4 +
+kernels.cusparselt.layout.compress). The Triton kernel must match it bit for bit, and so must the
+CUDA C++ version (kernels/srelu24/csrc/srelu24_sparsify.cu, `make kernels`), which runs instead where it
 is built, except on logged steps (the statistics totals are the Triton kernel's).
 
 A 64x32 tile's 512 metadata nibbles are 128 consecutive 16-bit words: word 4p + m (p = 8c + a
@@ -21,20 +21,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .cslt_layout import compress, compressed_numel
+from ..cusparselt.layout import ROWS_PER_BAND, compress, compressed_numel, padded
 from .native import kernels_usable, launch, use_cuda
-from .srelu24_reference import mask_2to4
-
-
-def padded_rows(m: int) -> int:
-    return (m + 63) // 64 * 64
+from .reference import mask_2to4
 
 
 def srelu_sparsify_2to4_reference(z: Tensor) -> tuple[Tensor, Tensor]:
     """(compressed A24 of z's rows padded to 64 with zeros, kept non-zeros per column int32)."""
     a = F.relu(z).square()
     keep = mask_2to4(a)
-    pad = padded_rows(z.shape[0]) - z.shape[0]
+    pad = padded(z.shape[0], ROWS_PER_BAND) - z.shape[0]
     a_p, keep_p = F.pad(a, (0, 0, 0, pad)), F.pad(keep, (0, 0, 0, pad))
     if pad:  # padding rows are all zero: they keep positions 0 and 1
         keep_p[z.shape[0]:] = mask_2to4(a_p[z.shape[0]:])
@@ -63,7 +59,7 @@ def round_to_bf16(x):
 def top2_of_4(v0, v1, v2, v3):
     """2:4 selection of groups given as 4 same-shaped tensors (one per position): keep masks,
     kept positions p0 < p1, and kept values x0, x1. The 2 largest magnitudes win; ties go to
-    the lower position (as kernels.srelu24_reference.mask_2to4)."""
+    the lower position (as kernels.srelu24.reference.mask_2to4)."""
     a0, a1, a2, a3 = tl.abs(v0), tl.abs(v1), tl.abs(v2), tl.abs(v3)
     # b_ij: j strictly beats i (i < j)
     b01, b02, b03 = (a1 > a0).to(tl.int32), (a2 > a0).to(tl.int32), (a3 > a0).to(tl.int32)
@@ -145,7 +141,7 @@ _CUDA_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64, ctype
 
 
 def cuda_usable(z: Tensor, counts: bool = True, totals: Optional[Tensor] = None) -> bool:
-    """The CUDA kernel (kernels/csrc/srelu24_sparsify.cu, `make kernels`) can run this call: built, an
+    """The CUDA kernel (kernels/srelu24/csrc/srelu24_sparsify.cu, `make kernels`) can run this call: built, an
     sm80/sm90 GPU, 16-byte aligned rows, features a multiple of 64, with the counts and without
     the statistics totals (logged steps run the Triton kernel)."""
     return counts and totals is None and z.shape[1] % 64 == 0 and kernels_usable(z)
@@ -162,7 +158,7 @@ def srelu_sparsify_2to4(z: Tensor, bands: int = 8, counts: bool = True, num_warp
         raise ValueError(f"srelu_sparsify_2to4 needs the feature count to be a multiple of 32, got {K}")
     if z.dtype != torch.bfloat16 or z.stride(1) != 1:
         raise ValueError("srelu_sparsify_2to4 needs a row-major bf16 input")
-    if padded_rows(M) * max(K, z.stride(0)) >= 2**31:
+    if padded(M, ROWS_PER_BAND) * max(K, z.stride(0)) >= 2**31:
         raise ValueError(f"srelu_sparsify_2to4 indexes with int32: [{M}, {K}] is too large")
     if totals is not None and not counts:
         raise ValueError("srelu_sparsify_2to4: totals need the counts (counts=True): the statistics use both")
@@ -170,7 +166,7 @@ def srelu_sparsify_2to4(z: Tensor, bands: int = 8, counts: bool = True, num_warp
         raise ValueError("srelu_sparsify_2to4: totals must be a float64 [3] tensor")
     cuda = use_cuda(backend, lambda: cuda_usable(z, counts, totals), "srelu_sparsify_2to4",
                     "16-byte aligned rows, K % 64 == 0, counts=True and no totals")
-    Mp = padded_rows(M)
+    Mp = padded(M, ROWS_PER_BAND)
     buf = torch.empty(compressed_numel(Mp, K), dtype=torch.bfloat16, device=z.device)
     nnz = torch.zeros(K, dtype=torch.int32, device=z.device)
     n_bands = Mp // 64

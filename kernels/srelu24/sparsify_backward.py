@@ -16,7 +16,7 @@ Reference: `backward_operands_reference`, which the kernel must match bit for bi
 inputs (NaN or Inf in dA, NaN in Z, and the sign of zeros made from a -0.0 in Z may differ: the
 kernel takes max(z, 0) where torch's relu can keep -0.0).
 
-A CUDA C++ version of the same pass (kernels/csrc/srelu24_sparsify.cu, `make kernels`) is used
+A CUDA C++ version of the same pass (kernels/srelu24/csrc/srelu24_sparsify.cu, `make kernels`) is used
 instead when it is built, in a variant that reads the forward's compressed A24 in place of Z
 (`backward_operands_from_a24`: the FFN then keeps 9/16 of Z's bytes for its backward): this Triton kernel is instruction-bound, because cuSPARSELt's 2:4 metadata
 layout packs nibbles of rows 8 apart into one word, which costs Triton cross-thread reductions
@@ -32,14 +32,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .cslt_layout import compress, compressed_numel
+from ..cusparselt.layout import COLS_PER_CHUNK, ROWS_PER_BAND, compress, compressed_numel, pad_rows, padded
 from .native import KERNELS, kernels_usable, launch, use_cuda
-from .srelu24_reference import mask_2to4
-from .srelu24_sparsify import padded_rows, round_to_bf16, top2_of_4
-
-
-def padded_tokens(t: int) -> int:
-    return (t + 31) // 32 * 32
+from .reference import mask_2to4
+from .sparsify import round_to_bf16, top2_of_4
 
 
 def a24_reference(z: Tensor) -> Tensor:
@@ -59,7 +55,7 @@ def sparsify_tokens_reference(v: Tensor, perm: Optional[Tensor], dense: Optional
     dense features [k, Tp], rows in `dense` order, tokens permuted)."""
     if perm is not None:
         v = v[perm]
-    vt = F.pad(v, (0, 0, 0, padded_tokens(v.shape[0]) - v.shape[0])).t().contiguous()
+    vt = pad_rows(v, COLS_PER_CHUNK).t().contiguous()
     full = vt[dense] if dense is not None else vt[:0]
     if dense is not None:
         vt[dense] = 0
@@ -74,7 +70,7 @@ def check_tokens_input(z: Tensor, da: Optional[Tensor]) -> int:
     if z.dtype != torch.bfloat16 or z.stride(1) != 1 or (da is not None and (
             da.shape != z.shape or da.stride(1) != 1 or da.dtype != torch.bfloat16 or da.device != z.device)):
         raise ValueError("backward_operands needs row-major bf16 z (and da of the same shape, dtype and device)")
-    Tp = padded_tokens(T)
+    Tp = padded(T, COLS_PER_CHUNK)
     if Tp * max(z.stride(0), Fh) >= 2**31:  # offsets: token * stride, feature * Tp
         raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
     return Tp
@@ -94,7 +90,7 @@ def dz_sparsify_2to4_reference(z: Tensor, da: Tensor) -> Tensor:
     a = F.relu(z).square()
     keep = mask_2to4(a)
     dz = da * (2 * F.relu(z))
-    pad = padded_rows(z.shape[0]) - z.shape[0]
+    pad = padded(z.shape[0], ROWS_PER_BAND) - z.shape[0]
     keep_p = F.pad(keep, (0, 0, 0, pad))
     if pad:
         keep_p[z.shape[0]:] = mask_2to4(torch.zeros_like(keep_p[z.shape[0]:], dtype=a.dtype))
@@ -103,7 +99,7 @@ def dz_sparsify_2to4_reference(z: Tensor, da: Tensor) -> Tensor:
 
 def backward_operands_reference(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
                                 reuse_forward_mask: bool = True):
-    """(compressed dZ of the permuted rows [padded_rows(T), 9F/16] (None without
+    """(compressed dZ of the permuted rows [padded(T, ROWS_PER_BAND), 9F/16] (None without
     reuse_forward_mask: dZ is not 2:4 then), (S(A24)^T, A24^T of the dense features),
     (S(dZ)^T, dZ^T of the dense features))."""
     zp, dap = (z[perm], da[perm]) if perm is not None else (z, da)
@@ -265,12 +261,12 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     """Fused backward_operands_reference. z, da: [T, F] row-major bf16, F % 64 == 0; perm: [T]
     token order (None: identity); dense: feature indices kept dense (None: none); slots:
     dense_slots(dense, F) where the caller has them already.
-    backend: "cuda" (kernels/csrc/srelu24_sparsify.cu), "triton", or "auto": cuda where
+    backend: "cuda" (kernels/srelu24/csrc/srelu24_sparsify.cu), "triton", or "auto": cuda where
     `cuda_usable`, else triton. bands, num_warps: the Triton launch; the defaults were the fastest
     of bands 1-8 x warps 4-16 on the H200 at 1B and 7B (benchmarks/RESULTS.md)."""
     T, Fh = z.shape
     Tp = check_tokens_input(z, da)
-    Tr = padded_rows(T)
+    Tr = padded(T, ROWS_PER_BAND)
     if Tr * max(Fh, da.stride(0)) >= 2**31:
         raise ValueError(f"backward_operands indexes with int32: [{T}, {Fh}] is too large")
     cuda = use_cuda(backend, lambda: cuda_usable(z, da, reuse_forward_mask), "backward_operands",
@@ -306,14 +302,14 @@ def a24_usable(device, Fh: int, reuse_forward_mask: bool = True) -> bool:
 def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
                                slots: Optional[Tensor] = None):
     """backward_operands, reading the forward's compressed A24 (srelu_sparsify_2to4's buffer for the
-    same T tokens, [padded_rows(T), 9F/16]) instead of Z: the FFN then keeps A24 (9/16 of Z's
+    same T tokens, [padded(T, ROWS_PER_BAND), 9F/16]) instead of Z: the FFN then keeps A24 (9/16 of Z's
     bytes) for its backward, and the pass reads about 190 MiB less at 7B, T=16384. The CUDA
     kernel only (`a24_usable`); the forward mask re-used. Equal to backward_operands(z, ...) bit for
     bit wherever the positive entries of Z lie in [1.1e-19, 1.8e19] (bf16(z^2) normal and finite:
     relu(z) is recovered exactly as bf16(sqrt(a))). Outside it dZ differs there: 0 below 6.8e-21
     (a = 0), an approximate relu(z) up to 1.1e-19 (a subnormal), NaN above 1.8e19 (a = inf)."""
     T, Fh = da.shape
-    Tr, Tp = padded_rows(T), padded_tokens(T)
+    Tr, Tp = padded(T, ROWS_PER_BAND), padded(T, COLS_PER_CHUNK)
     if tuple(a24.shape) != (Tr, Fh * 9 // 16) or a24.dtype != torch.bfloat16 or not a24.is_contiguous():
         raise ValueError(f"backward_operands_from_a24 needs A24 as srelu_sparsify_2to4 writes it for dA's {T} tokens: "
                          f"bf16 [{Tr}, {Fh * 9 // 16}], contiguous; got {a24.dtype} {tuple(a24.shape)}")
@@ -379,7 +375,7 @@ def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor, accumulate: bool = F
     """dw1[dense] = g in place (dw1 [F, d], g [k, d], dense [k] feature indices): dW1's rows of
     the dense features, zero in the sparse product, get their exact values. g bf16 into an fp32 dw1
     is widened as stored (an fp32 weight's gradient). accumulate: dw1[dense] += g (dw1 a weight's
-    .grad that the sparse product was added into: kernels/grads_in_place.py)."""
+    .grad that the sparse product was added into: kernels/srelu24/op.py)."""
     k, D = g.shape
     _check_dense_write("write_dense_rows", dw1, dense, g, (dw1.shape[0], D), (k,))
     if k:

@@ -5,7 +5,7 @@ id 0, torch's default, is slower than dense; benchmarks/RESULTS.md).
     sparse operand  the bf16 compressed buffer the sparsify kernels write, converted: each row's
                     kept values times a power-of-2 scale that brings its amax under 448 (e4m3's
                     largest), rounded to e4m3; the metadata permuted into the e4m3 layout
-                    (kernels/cslt_layout.py). A row is one of M: its scale factors out of the product.
+                    (kernels/cusparselt/layout.py). A row is one of M: its scale factors out of the product.
     dense operand   B [K, N] in e4m3, K-major (fp8 tensor cores read both operands along K), one
                     power-of-2 scale per column of B (each of N).
     product         e4m3 x e4m3 with fp32 accumulation, written as bf16 unscaled, then each
@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import fp8_gemm
-from .cslt_layout import check_shape_e4m3, compressed_bytes_e4m3, decompress
-from .cusparselt import cached_mm, searched_alg
-from .fp8_cast import (AMAX_FLOOR, columns_to_e4m3, columns_to_e4m3_reference, pow2_scale,  # noqa: F401 (AMAX_FLOOR: tests)
+from . import gemm
+from ..cusparselt.layout import check_shape_e4m3, compressed_bytes_e4m3, decompress
+from ..cusparselt.binding import cached_mm, searched_alg
+from .cast import (AMAX_FLOOR, columns_to_e4m3, columns_to_e4m3_reference, pow2_scale,  # noqa: F401 (AMAX_FLOOR: tests)
                        pow2_scale_triton, to_float8_bits)
 
 E4M3 = torch.float8_e4m3fn
@@ -60,8 +60,8 @@ def _rows_to_e4m3_kernel(x_ptr, out_ptr, scale_ptr, stride_x, C: tl.constexpr, B
 @triton.jit
 def _bf16_nibble(i):
     """Where nibble i (0..1023) of an e4m3 metadata tile sits in the two bf16 tiles it covers: the
-    inverse of cslt_layout.nibble_index_e4m3 (a bit permutation) into row rr, group gg of the
-    64 x 64 tile, then cslt_layout.nibble_index of (rr, gg % 8) in bf16 tile gg // 8. Computed,
+    inverse of layout.nibble_index_e4m3 (a bit permutation) into row rr, group gg of the
+    64 x 64 tile, then layout.nibble_index of (rr, gg % 8) in bf16 tile gg // 8. Computed,
     not loaded: a 1024-entry table cost each 512-byte block 8 KB of loads."""
     gg = (i & 1) | (((i >> 3) & 3) << 1) | (((i >> 2) & 1) << 3)
     rr = ((i >> 5) & 7) | (((i >> 1) & 1) << 3) | (((i >> 8) & 3) << 4)
@@ -127,7 +127,7 @@ def rows_to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
-    """A bf16 compressed 2:4 buffer of an [m, k] matrix (kernels/cslt_layout.py) as an e4m3 one
+    """A bf16 compressed 2:4 buffer of an [m, k] matrix (kernels/cusparselt/layout.py) as an e4m3 one
     (float8_e4m3fn [m, 5k/8]) and its row scales [m]: the e4m3 matrix is the bf16 one times its
     scales. Values and metadata in one launch."""
     check_shape_e4m3(m, k)
@@ -145,7 +145,7 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
 def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
     """B [K, N] (bf16 or fp32) as e4m3 with a power-of-2 scale per column: (its [K, N] view of a K-major
     [N, K] tensor, the scales [N]): one launch for a K-major B, three (zeros, amaxes, cast) for a
-    row-major one (fp8_cast.columns_to_e4m3)."""
+    row-major one (cast.columns_to_e4m3)."""
     if b.t().is_contiguous():  # the transpose of a row-major [N, K]: its rows are B's columns
         q, s = rows_to_e4m3(b.t())
         return q.t(), s
@@ -165,7 +165,7 @@ def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, M, N, DENSE
     the reciprocals rounded as torch's (div_rn; exact for powers of 2, NaN for NaN), so no launches
     for them. DENSE_COLUMNS: out is dW2 [d, F], and a dense feature's column j (slot[j] >= 0) is
     g [k, d]'s row slot[j] instead, as write_dense_columns would store it, in the same pass.
-    ACCUMULATE: out += that instead (a weight's .grad: kernels/grads_in_place.py)."""
+    ACCUMULATE: out += that instead (a weight's .grad, which the op adds into: kernels/srelu24/op.py)."""
     i = tl.program_id(0) * BM + tl.arange(0, BM)
     j = tl.program_id(1) * BN + tl.arange(0, BN)
     m = (i[:, None] < M) & (j[None, :] < N)
@@ -229,6 +229,13 @@ def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch
     return _unscale_into(out, y, row_scale, col_scale, dense_columns, accumulate_into is not None)
 
 
+def available(device) -> bool:
+    """An sm90 GPU with cuSPARSELt >= 0.6: its e4m3 2:4 kernels."""
+    device = torch.device(device)
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and (torch.backends.cusparselt.version() or 0) >= 600)
+
+
 def usable(buf: Tensor, b: Tensor) -> bool:
     """sparse_mm runs these operands: a bf16 compressed A and a bf16 or fp32 B (an fp32 weight: its
     e4m3 conversion reads fp32) on an sm90 GPU with cuSPARSELt >= 0.6 (e4m3 kernels), A's rows and
@@ -236,8 +243,7 @@ def usable(buf: Tensor, b: Tensor) -> bool:
     caller's bf16 2:4 GEMM runs: so the weight gradients do where the tokens per micro-batch are not
     a multiple of 64 (they are padded to 32)."""
     return (buf.is_cuda and buf.dtype == torch.bfloat16 and b.dtype in (torch.bfloat16, torch.float32)
-            and torch.cuda.get_device_capability(buf.device)[0] == 9
-            and (torch.backends.cusparselt.version() or 0) >= 600
+            and available(buf.device)
             and buf.shape[0] % 64 == 0 and b.shape[0] % 64 == 0 and buf.numel() * 16 == buf.shape[0] * b.shape[0] * 9)
 
 
@@ -254,8 +260,8 @@ def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool,
 def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False,
               b_e4m3: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
-    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24_ffn.sparse_mm.
-    b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's: kernels/weight_casts.py)."""
+    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24.op.sparse_mm.
+    b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's, kept for an optimizer step: kernels/srelu24/options.py)."""
     return _sparse_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), transpose_result)
 
 
@@ -263,9 +269,9 @@ def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
     """a [r, k] (bf16, dense) @ B, B given as kmajor_e4m3's (b8, sb): a's rows scaled and cast as
     rows_to_e4m3 scales the sparse operand's, one cuBLAS e4m3 GEMM (torch._scaled_mm, the scales'
     reciprocals per row and column, exact accumulation as torchao's gradient GEMMs), bf16 out.
-    On a GPU the rows' cast, scales and reciprocals come from one launch (fp8_gemm.rowwise_e4m3,
+    On a GPU the rows' cast, scales and reciprocals come from one launch (gemm.rowwise_e4m3,
     rows up to its ROWWISE_ELEMENTS): the same bytes as rows_to_e4m3 for finite rows."""
-    fused = fp8_gemm.rowwise_e4m3(a) if a.is_cuda else None
+    fused = gemm.rowwise_e4m3(a) if a.is_cuda else None
     if fused is not None:
         a8, _, inv_a = fused
     else:
@@ -279,7 +285,7 @@ def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, trans
                         out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
                         accumulate_into: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
-    of B: a weight gradient's 2:4 product and its dense features' rows (kernels/srelu24_ffn.py).
+    of B: a weight gradient's 2:4 product and its dense features' rows (kernels/srelu24/op.py).
     out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
     stay bf16 (dense_mm's), widened where write_dense_rows/columns store them. slots (dW2, with
     transpose_result): the dense rows go into the product's columns in its unscaling pass instead,

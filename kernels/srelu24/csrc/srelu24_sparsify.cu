@@ -1,8 +1,8 @@
 // The srelu24 FFN's sparsify passes in CUDA C++: the forward's srelu + 2:4 + compress, and the
 // backward's three sparse operands from one pass over Z and dA.
 //
-// Same contracts as the Triton kernels `_srelu_sparsify_2to4_kernel` (kernels/srelu24_sparsify.py, counts
-// on, no statistics totals) and `_backward_operands_kernel` (kernels/srelu24_sparsify_backward.py, the
+// Same contracts as the Triton kernels `_srelu_sparsify_2to4_kernel` (kernels/srelu24/sparsify.py, counts
+// on, no statistics totals) and `_backward_operands_kernel` (kernels/srelu24/sparsify_backward.py, the
 // forward mask re-used), and bit-identical to them and to their PyTorch references for finite inputs
 // (where dA holds Inf or NaN, or Z is NaN, they may disagree: the kernels take max(z, 0), which drops
 // NaN, the Triton kernels' bf16 rounding turns NaN into -0.0, and this file's keys rank NaN highest):
@@ -26,7 +26,7 @@
 //                token-dimension operand: 4 whole metadata words, and 2 x 32 contiguous bytes of values
 //                (stored as whole 32-byte sectors together with the neighbouring lane).
 //
-// Build: make kernels (build/srelu24_kernels.so); loaded by kernels/native.py through ctypes.
+// Build: make kernels (build/srelu24_kernels.so); loaded by kernels/srelu24/native.py through ctypes.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
 
 extern "C" {
 
-// Bumped whenever an exported signature changes; kernels/native.py checks it.
+// Bumped whenever an exported signature changes; kernels/srelu24/native.py checks it.
 int srelu24_kernels_abi_version() { return 3; }
 
 // z: [M, K] bf16 (row stride in elements); val/meta: A24's compressed values and metadata ([Mp, K]

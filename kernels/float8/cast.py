@@ -1,5 +1,5 @@
-"""Scaled casts to float8 in one Triton pass, for srelu24's own float8 GEMMs (kernels/fp8_gemm.py,
-kernels/fp8_sparse.py): the srelu24 custom op runs outside torch.compile's graph, where PyTorch
+"""Scaled casts to float8 in one Triton pass, for srelu24's own float8 GEMMs (kernels/float8/gemm.py,
+kernels/float8/sparse.py): the srelu24 custom op runs outside torch.compile's graph, where PyTorch
 would spend six passes on `(t.float() * scale).clamp(-max, max).to(dtype)` (profiled on the H200:
 ~2 ms per 7B layer and step at T=8192, more than the float8 GEMMs it feeds).
 

@@ -137,7 +137,7 @@ class _SReLU24(torch.autograd.Function):
         a = F.relu(z).square()
         mask = mask_2to4(a)
         if stats is not None:
-            from .ffn_stats import srelu24_sums  # here: ffn_stats imports mask_2to4 from this module
+            from ..ffn_stats import srelu24_sums  # here: ffn_stats imports mask_2to4 from this module
 
             stats += srelu24_sums(a, mask, recipe.dense_feature_fraction, sparse=True)
         y = (a * mask) @ w2.t()

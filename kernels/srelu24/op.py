@@ -1,0 +1,285 @@
+"""The srelu24 FFN on sparse tensor cores: the fused sparsify passes + cuSPARSELt, as a custom op.
+
+Same function as kernels.srelu24.reference.srelu24_ffn (its reference), GEMM by GEMM:
+
+    forward   Z = X W1^T                 dense (float8 under trainer.float8: kernels/float8/gemm.py)
+              A24 = srelu + 2:4 + compress, one pass (sparsify.py)
+              Y = A24 W2^T               sparse (e4m3 under trainer.float8 unless ffn.sparse_float8=false,
+                                         as the other three sparse GEMMs: kernels/float8/sparse.py)
+              kept for the backward: compressed A24 (9/16 of Z's bytes) where the CUDA backward
+              kernel is built, else Z (the Triton backward reads Z); `keeps_a24` decides, and the
+              backward is told which
+    backward  dA = dY W2                 dense (float8 as Z)
+              the three sparse operands from one pass over A24 (or Z) and dA (sparsify_backward.py)
+              dX = dZ W1                 sparse: dZ compressed at the forward's positions
+                                         (a dense GEMM when reuse_forward_mask is off)
+              dW2 = dY^T S(A24)          sparse: S()^T tokens permuted, the dense features zeroed there
+              dW1 = S(dZ)^T X            and their rows (columns of dW2) computed by a dense GEMM
+              dW2 comes out of cuSPARSELt as [d, F] (its column-major output); dX's rows are
+              gathered back to token order
+
+The backward's modes, and who sets them:
+
+    mode                          set by                                    changes
+    A24 or Z kept                 the device and the CUDA kernels' build    the operands' pass
+    reuse_forward_mask            OpOptions.recipe                          dX sparse or dense
+    token_permutation             OpOptions.recipe (off: the block permutes) dY, X permuted; dX gathered back
+    e4m3                          OpOptions (float8 set, sparse_float8 on)  the 2:4 GEMMs' precision
+    dense features                the forward's counts                      exact rows of dW1, columns of dW2
+    kept weight conversions       StepState (training/step.py)              the weights' e4m3 conversions reused
+    gradients added into .grad    StepState (training/step.py)              dW1, dW2 added into the given buffers
+
+Weights: bf16, or in e4m3 mode fp32 as the model keeps them (every use of a weight there is an e4m3
+conversion that reads fp32, and the weight gradients are written in fp32, so autograd casts
+neither). x is bf16 (the autocast dtype). Tokens are padded for the sparse operands
+(kernels/cusparselt/layout.py: `padded`).
+
+cuSPARSELt was chosen over CUTLASS's sm90 2:4 GEMM by measurement: CUTLASS was not faster at these
+shapes and needed its own metadata layout and build (lab/LOG.md).
+"""
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..cusparselt.binding import sparse_mm
+from ..cusparselt.layout import COLS_PER_CHUNK, ROWS_PER_BAND, pad_rows, padded
+from ..ffn_stats import N_SUMS, srelu24_sums_from_counts
+from ..float8 import gemm as fp8_gemm
+from ..float8 import sparse as fp8_sparse
+from .options import OpOptions, StepState, WeightOperands
+from .reference import densest_from_counts, random_token_order
+from .sparsify import srelu_sparsify_2to4
+from .sparsify_backward import (a24_usable, backward_operands, backward_operands_from_a24, dense_slots,
+                                write_dense_columns, write_dense_rows)
+
+@torch.no_grad()
+def convert_weights(w1: Tensor, w2: Tensor, options: OpOptions) -> WeightOperands:
+    """Every conversion of W1 and W2 the e4m3 op makes, as it makes them."""
+    return WeightOperands(for_z=fp8_gemm.b_operand(w1.t(), options.float8), for_y=fp8_sparse.kmajor_e4m3(w2.t()),
+                          for_da=fp8_gemm.b_operand(w2, options.float8), for_dx=fp8_sparse.kmajor_e4m3(w1))
+
+
+def available(x: Tensor) -> bool:
+    """The kernels need CUDA on sm80/sm90 (cuSPARSELt 2:4) and torch._cslt_sparse_mm."""
+    if not (x.is_cuda and hasattr(torch, "_cslt_sparse_mm")):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] in (8, 9)
+
+
+def keeps_a24(x: Tensor, w1: Tensor, reuse_forward_mask: bool) -> bool:
+    """Whether the forward keeps compressed A24 for the backward (the CUDA backward kernel reads
+    it), rather than Z (the Triton kernel's input). From device and shapes alone, so that the fake
+    (meta) forward agrees with the real one and the backward is told, not left to guess."""
+    return a24_usable(x.device, w1.shape[0], reuse_forward_mask)
+
+
+def _check_dtypes(op: str, w1: Tensor, w2: Tensor, **tensors: Tensor) -> None:
+    bad = [f"{k} {t.dtype}" for k, t in tensors.items() if t.dtype != torch.bfloat16]
+    bad += [f"{k} {t.dtype}" for k, t in (("w1", w1), ("w2", w2)) if t.dtype not in (torch.bfloat16, torch.float32)]
+    if bad:
+        raise ValueError(f"srelu24::{op} needs bf16 inputs and bf16 or fp32 weights (kernels.srelu24.op.ffn casts "
+                         f"them), got {', '.join(bad)}")
+
+
+# ------------------------------------------------------------------ the GEMMs
+# b is a weight in _dense_mm and _sparse_mm: `converted` is its conversion where the step made it.
+
+def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool, converted=None) -> Tensor:
+    if float8 == "none":
+        return a @ b.to(torch.bfloat16)
+    return fp8_gemm.mm(a, b, float8, grad, b_float8=converted)
+
+
+def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False, converted=None) -> Tensor:
+    """A @ B with A compressed, in e4m3 where asked and the shapes allow it (rows and reduction
+    multiples of 64), else in bf16."""
+    if e4m3 and fp8_sparse.usable(a, b):
+        return fp8_sparse.sparse_mm(a, b, transpose_result, b_e4m3=converted)
+    return sparse_mm(a, b.to(torch.bfloat16), transpose_result)
+
+
+def _weight_grad_mm(a: Tensor, dense_rows: Optional[Tensor], b: Tensor, e4m3: bool, out_dtype: torch.dtype,
+                    transpose_result: bool = False, slots: Optional[Tensor] = None,
+                    into: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """(a weight gradient's 2:4 product in out_dtype, its dense features' exact rows dense_rows @ b
+    or None): in e4m3 where the 2:4 GEMMs are (one conversion of b for both; the product written in
+    out_dtype by the unscaling pass, which also writes the dense rows as dW2's columns where given
+    `slots`, None coming back for them, and adds into `into` where given, returning it), else bf16."""
+    if e4m3 and fp8_sparse.usable(a, b):
+        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots, into)
+    return sparse_mm(a, b, transpose_result).to(out_dtype), None if dense_rows is None else dense_rows @ b
+
+
+# ------------------------------------------------------------------ forward
+
+@torch.library.custom_op("srelu24::ffn_forward", mutates_args=())
+def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w1: Optional[Tensor],
+                grad_w2: Optional[Tensor], collect_stats: bool, token_permutation: bool,
+                dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
+                sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(Y [T, d]; A24 [padded(T, 64), 9F/16] or Z [T, F], as `keeps_a24` says, for the backward;
+    kept non-zeros per feature [F] int32; the statistics row [N_SUMS] float64, empty unless
+    collect_stats). weights: WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the
+    buffers it adds into), taken here so that autograd hands them to it."""
+    _check_dtypes("ffn_forward", w1, w2, x=x)
+    o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
+    kept = WeightOperands.from_flat(weights)
+    T = x.shape[0]
+    z = _dense_mm(x, w1.t(), o.float8, grad=False, converted=kept and kept.for_z)
+    # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
+    totals = torch.zeros(3, dtype=torch.float64, device=z.device) if collect_stats else None
+    buf, counts = srelu_sparsify_2to4(z, totals=totals)
+    y = _sparse_mm(buf, w2.t(), o.e4m3, converted=kept and kept.for_y)[:T]
+    row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
+           else z.new_empty(0, dtype=torch.float64))  # no launch on the hot path
+    return y, buf if keeps_a24(x, w1, reuse_forward_mask) else z, counts, row
+
+
+@ffn_forward.register_fake
+def _(x, w1, w2, weights, grad_w1, grad_w2, collect_stats, token_permutation, dense_feature_fraction,
+      reuse_forward_mask, float8, sparse_float8):
+    _check_dtypes("ffn_forward", w1, w2, x=x)
+    T, F_ = x.shape[0], w1.shape[0]
+    saved = (x.new_empty(padded(T, ROWS_PER_BAND), F_ * 9 // 16) if keeps_a24(x, w1, reuse_forward_mask)
+             else x.new_empty(T, F_))
+    return (x.new_empty(T, w2.shape[0]), saved, x.new_empty(F_, dtype=torch.int32),
+            x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------ backward
+
+class _SparseOperands(NamedTuple):
+    dz: Tensor                         # dZ compressed at the forward's positions, rows permuted
+    a_tokens: tuple[Tensor, Optional[Tensor]]   # S(A24)^T, and A24^T of the dense features
+    dz_tokens: tuple[Tensor, Optional[Tensor]]  # S(dZ)^T, and dZ^T of the dense features
+
+
+def _sparse_operands(saved: Tensor, saved_a24: bool, da: Tensor, perm, dense, slots,
+                     reuse_forward_mask: bool) -> _SparseOperands:
+    if saved_a24:
+        return _SparseOperands(*backward_operands_from_a24(saved, da, perm, dense, slots=slots))
+    return _SparseOperands(*backward_operands(saved, da, perm, dense, reuse_forward_mask, slots=slots))
+
+
+def _input_grad(ops: _SparseOperands, saved: Tensor, da: Tensor, w1: Tensor, perm, T: int, o: OpOptions,
+                kept: Optional[WeightOperands]) -> Tensor:
+    """dX = dZ W1 in token order."""
+    if not o.recipe.reuse_forward_mask:  # dZ is not 2:4 then: a dense GEMM (the ablation), from Z
+        return (da * (2 * F.relu(saved))) @ w1.to(torch.bfloat16)
+    dx = _sparse_mm(ops.dz, w1, o.e4m3, converted=kept and kept.for_dx)[:T]
+    if perm is not None:  # back to token order: a gather by the inverse (a scatter is slower)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(T, device=perm.device, dtype=perm.dtype)
+        dx = dx.index_select(0, inverse)
+    return dx
+
+
+def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Tensor, perm, dense, slots, w1: Tensor, w2: Tensor,
+                  o: OpOptions, grads: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """(dW1 [F, d], dW2 [d, F]) in the weights' dtypes; with `grads`, added into them instead (and
+    those returned)."""
+    g1, g2 = grads if grads is not None else (None, None)
+    dy_p = pad_rows(dy[perm] if perm is not None else dy, COLS_PER_CHUNK)
+    x_p = pad_rows(x[perm] if perm is not None else x, COLS_PER_CHUNK)
+    (s_a, a_dense), (s_dz, dz_dense) = ops.a_tokens, ops.dz_tokens
+    has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
+    dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, o.e4m3, w2.dtype,
+                                     transpose_result=True, slots=slots, into=g2)
+    if dw2_dense is not None:  # dw2 is [d, F]; in e4m3 its dense columns are already written
+        write_dense_columns(dw2, slots, dw2_dense)
+    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, o.e4m3, w1.dtype, into=g1)
+    if has_dense:
+        write_dense_rows(dw1, dense, dw1_dense, accumulate=dw1 is g1 and g1 is not None)
+    for g, dw in ((g1, dw1), (g2, dw2)):
+        if g is not None and dw is not g:  # a bf16 path, which wrote its own product
+            g.add_(dw)
+    return (g1, g2) if grads is not None else (dw1, dw2)
+
+
+@torch.library.custom_op("srelu24::ffn_backward", mutates_args=("grad_w1", "grad_w2"))
+def ffn_backward(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor, saved_a24: bool,
+                 weights: list[Tensor], grad_w1: Optional[Tensor], grad_w2: Optional[Tensor],
+                 token_permutation: bool, dense_feature_fraction: float, reuse_forward_mask: bool,
+                 float8: str, sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX in bf16, dW1, dW2 in their weights' dtypes). saved: the forward's A24 (saved_a24) or Z.
+    grad_w1, grad_w2 (both or neither; fp32, contiguous, the weights' shapes): dW1 and dW2 are
+    added into them, and come back empty."""
+    _check_dtypes("ffn_backward", w1, w2, x=x, saved=saved)
+    o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
+    kept = WeightOperands.from_flat(weights)
+    grads = (grad_w1, grad_w2) if grad_w1 is not None and grad_w2 is not None else None
+    T, F_ = x.shape[0], w1.shape[0]
+    dy = dy.to(torch.bfloat16).contiguous()
+    da = _dense_mm(dy, w2, o.float8, grad=True, converted=kept and kept.for_da)   # [T, F]
+    perm = random_token_order(T, x.device) if token_permutation else None
+    dense = densest_from_counts(counts, dense_feature_fraction)
+    slots = dense_slots(dense, F_, x.device)[0] if dense is not None else None
+    ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask)
+    dx = _input_grad(ops, saved, da, w1, perm, T, o, kept)
+    dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads)
+    if grads is not None:
+        return dx.contiguous(), dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
+    return dx.contiguous(), dw1.contiguous(), dw2
+
+
+@ffn_backward.register_fake
+def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, *flags):
+    if grad_w1 is not None and grad_w2 is not None:
+        return torch.empty_like(x), x.new_empty(0, dtype=w1.dtype), x.new_empty(0, dtype=w2.dtype)
+    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, w2, weights, g1, g2, _, *flags = inputs
+    ctx.flags = flags
+    ctx.saved_a24 = keeps_a24(x, w1, OpOptions.from_flags(*flags).recipe.reuse_forward_mask)
+    # weights that want no gradient take the plain path: adding would give them a .grad
+    ctx.in_place = g1 is not None and g2 is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
+    ctx.n_weights = len(weights)
+    _, saved, counts, _ = output
+    ctx.save_for_backward(x, w1, w2, saved, counts, *weights, *((g1, g2) if ctx.in_place else ()))
+    # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
+    # for them before the backward, a memset of [T, F] per layer that buys nothing
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, *unused):  # only Y carries a gradient
+    # the inputs' gradients: x, w1, w2, then one per kept conversion (a list), none for the rest
+    no_grads = ([None] * ctx.n_weights, None, None, None) + (None,) * len(ctx.flags)
+    if dy is None:  # Y unused by the loss (gradients are not materialised)
+        return (None, None, None) + no_grads
+    x, w1, w2, saved, counts, *rest = ctx.saved_tensors
+    weights, grads = rest[:ctx.n_weights], rest[ctx.n_weights:] or (None, None)
+    dx, dw1, dw2 = ffn_backward(dy, x, w1, w2, saved, counts, ctx.saved_a24, weights, *grads, *ctx.flags)
+    if ctx.in_place:  # already in the buffers: autograd accumulates nothing for W1, W2
+        dw1 = dw2 = None
+    return (dx, dw1, dw2) + no_grads
+
+
+ffn_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------ entry
+
+def _op_weight(w: Tensor, e4m3: bool) -> Tensor:
+    """w as the op takes it: in e4m3 mode an fp32 w as it is (the op's conversions read fp32, its bf16
+    fallbacks cast inside, and it returns fp32 gradients: autograd casts neither way); else cast to
+    bf16 here, outside the op, and autograd returns fp32 gradients to fp32 weights."""
+    return w if e4m3 and w.dtype == torch.float32 else w.to(torch.bfloat16)
+
+
+def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), stats: Optional[Tensor] = None,
+        step: Optional[StepState] = None) -> Tensor:
+    """The srelu24 FFN on x [..., d]; adds this call's statistics row to `stats` when given.
+    step: the optimizer step's shared state (StepState), or None: the op converts every weight at
+    each use and hands autograd the weight gradients."""
+    shape = x.shape
+    kept = step.weights.flat() if step is not None and step.weights is not None else []
+    g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
+    y, _, _, row = ffn_forward(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3),
+                               _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, *options.flags())
+    if stats is not None:
+        stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
+    return y.reshape(*shape[:-1], y.shape[-1])

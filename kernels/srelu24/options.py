@@ -1,0 +1,68 @@
+"""The srelu24 op's options and the state one optimizer step lends it: plain data, no kernels
+(model/ffn.py builds them without importing Triton)."""
+from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple, Optional
+
+from torch import Tensor
+
+from .reference import SReLU24Recipe
+
+FLOAT8 = ("none", "tensorwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class OpOptions:
+    """How the op runs for one FFN module: the recipe's switches and its GEMMs' precision. Built
+    once, by model/ffn.py, from the FFN's config and the trainer's float8 recipe."""
+    recipe: SReLU24Recipe = SReLU24Recipe()
+    float8: str = "none"        # the two dense GEMMs: none (bf16), tensorwise or rowwise (torchao's recipes)
+    sparse_float8: bool = True  # with float8 set, the four 2:4 GEMMs in e4m3 as well
+
+    def __post_init__(self):
+        if self.float8 not in FLOAT8:
+            raise ValueError(f"srelu24 op: float8={self.float8!r}; valid values are {', '.join(FLOAT8)}")
+
+    @property
+    def e4m3(self) -> bool:
+        return self.float8 != "none" and self.sparse_float8
+
+    def flags(self) -> tuple:
+        """The op's trailing arguments, in its order (a custom op takes no dataclass)."""
+        r = self.recipe
+        return r.token_permutation, r.dense_feature_fraction, r.reuse_forward_mask, self.float8, self.sparse_float8
+
+    @classmethod
+    def from_flags(cls, token_permutation: bool, dense_feature_fraction: float, reuse_forward_mask: bool,
+                   float8: str, sparse_float8: bool) -> "OpOptions":
+        return cls(SReLU24Recipe(token_permutation, dense_feature_fraction, reuse_forward_mask), float8, sparse_float8)
+
+
+class WeightOperands(NamedTuple):
+    """W1's and W2's conversions, one per GEMM that reads a weight, each (values, scale) as that
+    GEMM takes it: e4m3 mode on fp32 weights. Made once per optimizer step under gradient
+    accumulation (StepState), else by the op at each use."""
+    for_z: tuple[Tensor, Tensor]    # W1^T, the float8 B of Z = X W1^T (fp8_gemm.b_operand)
+    for_y: tuple[Tensor, Tensor]    # W2^T, the e4m3 B of Y = A24 W2^T (fp8_sparse.kmajor_e4m3)
+    for_da: tuple[Tensor, Tensor]   # W2, the float8 B of dA = dY W2
+    for_dx: tuple[Tensor, Tensor]   # W1, the e4m3 B of dX = dZ W1
+
+    def flat(self) -> list[Tensor]:
+        return list(chain(*self))
+
+    @classmethod
+    def from_flat(cls, tensors: list[Tensor]) -> Optional["WeightOperands"]:
+        return cls(*zip(tensors[0::2], tensors[1::2])) if tensors else None
+
+
+@dataclass
+class StepState:
+    """What the micro-batches of one optimizer step share, for one FFN: its weights' conversions,
+    made when the step begins (the weights stand still until its optimizer update), and the fp32
+    buffers the backward adds the weight gradients into (the weights' .grad, as Megatron-LM's
+    main_grad). Opened and closed around the micro-batches by training/step.py, through
+    model/ffn.py's `srelu24_step`; nothing of it outlives the step."""
+    weights: Optional[WeightOperands] = None
+    grads: Optional[tuple[Tensor, Tensor]] = None
+
+
