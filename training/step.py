@@ -141,18 +141,7 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
 
     grad_norm = clip_grad_norm(p.params, p.grad_clip if p.grad_clip > 0 else math.inf)  # global over ranks
     if p.skip_on_device:
-        # fused AdamW skips the update (and keeps its step count) where found_inf is 1: the host
-        # never waits for the norm, and the count stays on the device until it is read anyway
-        found_inf = torch.isfinite(grad_norm).logical_not().to(torch.float32)
-        p.optimizer.found_inf = found_inf
-        try:
-            p.optimizer.step()
-        finally:
-            del p.optimizer.found_inf
-        float8_after_optimizer_step(model)  # weights unchanged on a skip: the same scales
-        if state.pending_skips is None:
-            state.pending_skips, state.pending_from = torch.zeros((), device=found_inf.device), step + 1
-        state.pending_skips += found_inf
+        optimizer_step_skipping_on_device(p, state, grad_norm)
         applied, stop = None, stop_requested()
     else:
         # one small all-reduce per step, so that every rank skips (or stops) together; it reads the
@@ -183,6 +172,21 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
             out.applied = math.isfinite(out.grad_norm)
             state.settle_skipped()
     return out
+
+
+def optimizer_step_skipping_on_device(p: StepParts, state: TrainState, grad_norm: Tensor) -> None:
+    """Fused AdamW skips the update (and keeps its step count) where found_inf is 1: the host never
+    waits for the norm, and the count of skipped steps stays on the device until it is read anyway."""
+    found_inf = torch.isfinite(grad_norm).logical_not().to(torch.float32)
+    p.optimizer.found_inf = found_inf
+    try:
+        p.optimizer.step()
+    finally:
+        del p.optimizer.found_inf
+    float8_after_optimizer_step(p.model)  # weights unchanged on a skip: the same scales
+    if state.pending_skips is None:
+        state.pending_skips, state.pending_from = torch.zeros((), device=found_inf.device), state.step + 1
+    state.pending_skips += found_inf
 
 
 def warn_skipped(first: int, last: int, n: int, total: int) -> None:
