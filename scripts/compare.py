@@ -1,23 +1,53 @@
-"""Compare runs: a table (one row per run) and plots, from run directories or multirun directories.
+"""Compare runs: a table (one row per run), the time each run took to reach a validation loss,
+and plots, from run directories or multirun directories.
 
     python scripts/compare.py runs/demo/multirun_2026-11-29_21-00-00       # every job of a sweep
     python scripts/compare.py runs/a runs/b --out reports/a_vs_b --baseline srelu
+    python scripts/compare.py runs/study_speed/multirun_<date> --target-loss 4.5 --baseline "swiglu bf16"
 
-Writes <out>/summary.md, <out>/summary.csv, layers.csv (last per-layer statistics), val_loss.png, val_loss_delta.png (gap to --baseline),
-train_loss_time.png, throughput.png (ratios vs --baseline) and
-sparsity_heatmap_<run>.png (default out: <first input>/report); the table is also printed.
-metrics.jsonl is the source of truth. Throughput and MFU are medians over the log intervals after
-the first ~10% (at least the first one), which include warm-up and compilation.
+Writes to <out> (default: <first input>/report): summary.md (the run table, then the time-to-loss
+table), summary.csv (one row per run, both tables' columns), layers.csv (last per-layer
+statistics) and plots: validation and training loss against tokens (val_loss.png,
+train_loss.png), against training hours (val_loss_time.png, train_loss_time.png) and against
+GPU-hours (val_loss_gpu_hours.png, train_loss_gpu_hours.png), val_loss_delta.png (gap to
+--baseline), throughput.png (ratios vs --baseline), sparsity_heatmap_<run>.png. The tables are
+also printed. With wandb on (--wandb; by default when the runs logged to wandb), the plots and
+tables also go to wandb as one run of job_type "report" in the runs' group (offline: written
+under <out>/wandb; `wandb sync` uploads it).
+
+A run's label is its FFN, plus its precision (trainer.float8: tensorwise, rowwise; bf16 without,
+fp32 on CPU) when the runs differ in precision, plus its seed when runs of one label differ in
+seed. metrics.jsonl is the source of truth. Throughput and MFU are medians over the log intervals
+after the first ~10% (at least the first one), which include warm-up and compilation; srelu24's
+tokens/s are also given for each phase apart (dense warmup, 2:4), each without its first interval.
+
+Time (--time): each log row's tokens/s covers the training steps since the previous log row, and
+neither evaluation nor checkpoints (training/metrics.py pauses its interval for them), so
+  steady  (default) sums the log intervals' times (tokens / tokens/s), except each phase's first
+          interval (compilation; srelu24's switch to 2:4 and its recompilation), counted at the
+          phase's median tokens/s: the time a long run takes per token, one-off costs left out;
+  train   sums the log intervals' times as measured, compilation included;
+  elapsed is the logged elapsed_s: wall-clock from the first step, evaluation, checkpoints and
+          compilation included (a resumed run continues its clock from its checkpoint).
+GPU-hours = hours x the run's world size (run_info.json). Time to reach a loss L: the first
+logged point at or below L, interpolated linearly (in time, tokens and steps) from the logged
+point before it; validation loss by default (--target-metric train: the training loss, which
+is noisier: one batch). L defaults to the worst run's final value. Runs of one FFN and
+precision that differ only in seed give the run-to-run spread: final losses closer to the best
+than that spread are marked as ties.
 """
 import argparse
 import csv
 import json
 import math
+import os
 import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
+import numpy as np
 from matplotlib.ticker import MaxNLocator
 from omegaconf import OmegaConf
 
@@ -25,6 +55,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from training.plots import close, layer_heatmap, plt  # noqa: E402
 
 WARMUP_FRACTION = 0.1
+TIME_BASES = ("steady", "train", "elapsed")
+TIME_AXIS = {"steady": "training hours (compilation excluded)", "train": "training hours",
+             "elapsed": "wall-clock hours (evaluation and checkpoints included)"}
+TIME_MEANING = {
+    "steady": "training time: the log intervals summed (evaluation and checkpoints excluded), each phase's "
+              "first interval (compilation, srelu24's switch to 2:4) counted at the phase's median tokens/s",
+    "train": "training time: the log intervals summed as measured (evaluation and checkpoints excluded, "
+             "compilation included)",
+    "elapsed": "wall-clock time from the first step (elapsed_s: evaluation, checkpoints and compilation included)"}
+METRICS = {"val": ("val_loss", "validation loss"), "train": ("loss", "training loss")}
 
 
 def natural(p: Path) -> list:
@@ -53,13 +93,42 @@ def read_metrics(run: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def variant_of(run: Path) -> str:
+def run_config(run: Path):
+    """The run's config (config_resolved.yaml, else Hydra's .hydra/config.yaml), or None."""
     for name in ("config_resolved.yaml", ".hydra/config.yaml"):
         if (run / name).is_file():
-            kind = OmegaConf.select(OmegaConf.load(run / name), "ffn.kind", default=None)
-            if kind is not None:
-                return str(kind)
-    return "?"
+            return OmegaConf.load(run / name)
+    return None
+
+
+def variant_of(run: Path, cfg=None) -> str:
+    cfg = run_config(run) if cfg is None else cfg
+    kind = OmegaConf.select(cfg, "ffn.kind", default=None) if cfg is not None else None
+    return "?" if kind is None else str(kind)
+
+
+def precision_of(cfg, info: dict) -> Optional[str]:
+    """trainer.float8's recipe, or without one the GEMMs' dtype (bf16 autocast on GPUs, fp32 on CPU,
+    as trainer.precision=auto picks); None without a config."""
+    if cfg is None:
+        return None
+    recipe = str(OmegaConf.select(cfg, "trainer.float8", default=None) or "none")
+    if recipe != "none":
+        return recipe
+    precision = str(OmegaConf.select(cfg, "trainer.precision", default="auto"))
+    on_gpu = str(info.get("device", "")).startswith("cuda")
+    return "bf16" if precision == "bf16" or (precision == "auto" and on_gpu) else "fp32"
+
+
+def wandb_of(cfg) -> Optional[dict]:
+    """Where the run's wandb run went (logging.wandb; its group defaults to the experiment's name)."""
+    if cfg is None:
+        return None
+    w = OmegaConf.select(cfg, "logging.wandb", default=None)
+    if w is None:
+        return None
+    return {"mode": str(w.get("mode", "offline")), "project": w.get("project"), "entity": w.get("entity"),
+            "group": w.get("group") or OmegaConf.select(cfg, "name", default=None)}
 
 
 def steady(values: list) -> list:
@@ -72,42 +141,149 @@ def median(values: list):
     return statistics.median(values) if values else None
 
 
-def summarize(run: Path) -> dict:
+def phase(row: dict) -> int:
+    """1 in srelu24's 2:4 phase, else 0 (dense: its warmup, and every other variant)."""
+    return 1 if row.get("mode_2to4") == 1 else 0
+
+
+def phase_medians(timed: list[dict]) -> dict:
+    """Median tokens/s of each phase's log intervals after its first (compilation; the switch to
+    2:4 and its recompilation): {0: dense, 1: 2:4}, None for a phase with fewer than two intervals."""
+    timed = [r for r in timed if finite(r.get("tokens_per_s"))]
+    return {p: median([r["tokens_per_s"] for r in timed if phase(r) == p][1:]) for p in (0, 1)}
+
+
+def finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def training_seconds(rows: list[dict], basis: str = "steady") -> list[float]:
+    """Seconds of training at each row of `rows` (in step order, as read_metrics gives them), by
+    --time's basis (the module's docstring). A row without its own time (an evaluation off the log
+    steps, a row without elapsed_s) takes the time interpolated in step between its neighbours'."""
+    known = {}
+    if basis == "elapsed":
+        known = {i: r["elapsed_s"] for i, r in enumerate(rows) if finite(r.get("elapsed_s"))}
+    else:
+        timed = [(i, r) for i, r in enumerate(rows) if finite(r.get("tokens_per_s")) and r["tokens_per_s"] > 0
+                 and "tokens" in r]
+        medians = phase_medians([r for _, r in timed])
+        seconds, tokens, started = 0.0, 0, set()
+        for i, r in timed:
+            rate = r["tokens_per_s"]
+            if basis == "steady" and phase(r) not in started and medians[phase(r)]:
+                rate = medians[phase(r)]  # the phase's first interval: its compilation left out
+            started.add(phase(r))
+            seconds += max(r["tokens"] - tokens, 0) / rate
+            tokens = r["tokens"]
+            known[i] = seconds
+    if not known:
+        return [math.nan] * len(rows)
+    steps = [r.get("step", i) for i, r in enumerate(rows)]
+    xs = [steps[i] for i in sorted(known)]
+    ys = [known[i] for i in sorted(known)]
+    return [known[i] if i in known else float(np.interp(steps[i], xs, ys)) for i in range(len(rows))]
+
+
+def reach(points: list[tuple[float, dict]], target: float) -> Optional[dict]:
+    """Where a curve first reaches `target`: points are (loss, {"hours": .., "gpu_hours": .., "tokens":
+    .., "step": ..}) in step order. The first point at or below the target, interpolated linearly
+    (every coordinate) from the point before it; the first point itself if it is already there;
+    None if no point is."""
+    points = [(loss, at) for loss, at in points if finite(loss)]
+    for i, (loss, at) in enumerate(points):
+        if loss <= target:
+            if i == 0:
+                return dict(at)
+            before, was = points[i - 1]
+            f = (before - target) / (before - loss)
+            return {k: was[k] + f * (at[k] - was[k]) for k in at}
+    return None
+
+
+def summarize(run: Path, basis: str = "steady") -> dict:
     rows = read_metrics(run)
     info = json.loads((run / "run_info.json").read_text()) if (run / "run_info.json").is_file() else {}
+    cfg = run_config(run)
     params = info.get("params", {})
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
-    window = steady([r for r in train if "tokens_per_s" in r])
-    # srelu24: the 2:4 phase alone (intervals logged with 2:4 on, after the first: the switch)
-    sparse_window = [r for r in train if "tokens_per_s" in r and r.get("mode_2to4") == 1][1:]
+    timed = [r for r in train if "tokens_per_s" in r]
+    window = steady(timed)
+    variant = variant_of(run, cfg)
+    # srelu24: each phase alone (intervals logged with 2:4 off / on, after each phase's first:
+    # compilation, and the switch to 2:4)
+    speeds = phase_medians(timed)
     sparsity = [r["layers"]["act_sparsity"] for r in rows if r.get("layers", {}).get("act_sparsity")]
     mem = [r["mem_allocated_gib"] for r in rows if "mem_allocated_gib" in r]
+    gpus = int(info.get("world_size") or 1)
+    for m, seconds in zip(rows, training_seconds(rows, basis)):
+        m["_hours"], m["_gpu_hours"] = seconds / 3600, seconds * gpus / 3600
+    seed = OmegaConf.select(cfg, "trainer.seed", default=None) if cfg is not None else None
     return {
-        "run": run.name, "variant": variant_of(run),
+        "run": run.name, "variant": variant, "precision": precision_of(cfg, info), "seed": seed, "gpus": gpus,
         "params": params.get("total"), "non_embedding": params.get("non_embedding"),
         "tokens": rows[-1]["tokens"] if rows else 0,
         "final_loss": train[-1]["loss"] if train else None,
         "final_val_loss": val[-1]["val_loss"] if val else None,
         "tokens_per_s": median([r["tokens_per_s"] for r in window]),
-        "tokens_per_s_24": median([r["tokens_per_s"] for r in sparse_window]),
+        "tokens_per_s_dense": speeds[0] if variant == "srelu24" else None,
+        "tokens_per_s_24": speeds[1],
         "mfu": median([r["mfu"] for r in window if "mfu" in r]),
         "act_sparsity": statistics.fmean(sparsity[-1]) if sparsity else None,
         "peak_mem_gib": max(mem) if mem else None,
+        "hours": rows[-1]["_hours"] if rows else None,
+        "gpu_hours": rows[-1]["_gpu_hours"] if rows else None,
+        "time_basis": basis,
+        "_wandb": wandb_of(cfg),
         "_rows": rows,
     }
 
 
+def time_to_target(r: dict, target: float, metric: str = "val") -> dict:
+    """The run's hours, GPU-hours, tokens and step at which its `metric` first reached `target`
+    (None each, and reached False, if it never did)."""
+    key = METRICS[metric][0]
+    at = reach([(m[key], {"hours": m["_hours"], "gpu_hours": m["_gpu_hours"], "tokens": m["tokens"],
+                          "step": m.get("step", 0)}) for m in r["_rows"] if key in m and "tokens" in m], target)
+    at = at or {}
+    return {"target_loss": target, "target_metric": metric, "reached": bool(at),
+            "hours_to_target": at.get("hours"), "gpu_hours_to_target": at.get("gpu_hours"),
+            "tokens_to_target": at.get("tokens"), "step_to_target": at.get("step")}
+
+
+def seed_spreads(rows: list[dict], key: str) -> list[dict]:
+    """Runs of one label kind (FFN and precision) that differ in seed: the spread (max - min) of
+    their final `key` and, where all reached the target, of their GPU-hours to it."""
+    groups = {}
+    for r in rows:
+        if r.get("seed") is not None and finite(r.get(key)):
+            groups.setdefault(r["kind"], []).append(r)
+    out = []
+    for kind, g in groups.items():
+        if len({x["seed"] for x in g}) > 1:
+            values = [x[key] for x in g]
+            times = [x.get("gpu_hours_to_target") for x in g]
+            out.append({"kind": kind, "runs": [x["label"] for x in g], "spread": max(values) - min(values),
+                        "gpu_hours_spread": (max(times) - min(times)) / min(times)
+                        if all(finite(t) and t > 0 for t in times) else None})
+    return out
+
+
 # key, header, format of a present value ("-" when absent)
-COLUMNS = [("run", "run", str), ("variant", "variant", str),
+COLUMNS = [("run", "run", str), ("variant", "variant", str), ("precision", "precision", str),
            ("params", "params", "{:,}".format), ("non_embedding", "non-emb params", "{:,}".format),
            ("tokens", "tokens", "{:,}".format), ("final_loss", "final train loss", "{:.4f}".format),
            ("final_val_loss", "final val loss", "{:.4f}".format),
            ("val_vs_baseline", "val loss vs baseline", "{:+.2%}".format),
            ("tokens_per_s", "tokens/s (steady median)", "{:,.0f}".format),
+           ("tokens_per_s_dense", "tokens/s (srelu24 dense warmup median)", "{:,.0f}".format),
            ("tokens_per_s_24", "tokens/s (2:4 phase median)", "{:,.0f}".format), ("mfu", "MFU", "{:.1%}".format),
            ("act_sparsity", "act sparsity (mean)", "{:.3f}".format),
            ("peak_mem_gib", "peak mem alloc (GiB)", "{:.2f}".format)]
+# summary.csv's further columns: the time-to-loss table's, and what a row is (label, seed, GPUs)
+CSV_EXTRA = ["label", "seed", "gpus", "time_basis", "hours", "gpu_hours", "target_metric", "target_loss", "reached",
+             "hours_to_target", "gpu_hours_to_target", "tokens_to_target", "step_to_target"]
 
 
 def absent(v) -> bool:
@@ -121,10 +297,65 @@ def markdown(rows: list[dict]) -> str:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
+    keys = [k for k, _, _ in COLUMNS] + CSV_EXTRA
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([k for k, _, _ in COLUMNS])
-        w.writerows(["" if absent(r[k]) else r[k] for k, _, _ in COLUMNS] for r in rows)
+        w.writerow(keys)
+        w.writerows(["" if absent(r.get(k)) else r[k] for k in keys] for r in rows)
+
+
+def _duration(hours) -> str:
+    if not finite(hours):
+        return "-"
+    return f"{hours:.2f} h" if hours >= 1 else f"{60 * hours:.1f} min" if hours >= 1 / 60 else f"{3600 * hours:.0f} s"
+
+
+def _gpu_hours(v) -> str:
+    return "-" if not finite(v) else f"{v:.3g}"
+
+
+def time_table(rows: list[dict], base: dict, metric: str, target: float, target_from: str) -> list[str]:
+    """Markdown: the heading, what time means, then one row per run, soonest to reach the target
+    first (GPU-hours), the runs that never did last (lowest final loss first)."""
+    key, name = METRICS[metric]
+    final = "final_val_loss" if metric == "val" else "final_loss"
+    basis = rows[0]["time_basis"]
+    spreads = seed_spreads(rows, final)
+    tie = max((s["spread"] for s in spreads), default=None)
+    best = min((r[final] for r in rows if finite(r.get(final))), default=None)
+    b = base.get("gpu_hours_to_target")
+    out = [f"## Time to reach {name} {target:.4f} ({target_from})", "",
+           f"Time is {TIME_MEANING[basis]} (--time {basis}). GPU-hours: time x GPUs. Interpolated linearly between the "
+           f"two logged {name} points around the target" + (" (validation: every trainer.eval_every steps)."
+                                                              if metric == "val" else " (one batch each: noisy)."), ""]
+    head = ["run", "GPUs", "time to target", "GPU-hours to target", f"vs {base['label']} (GPU-hours)",
+            "tokens to target", "step to target", f"final {name}", "vs best final", "time in all", "GPU-hours in all"]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = sorted(rows, key=lambda r: (not r.get("reached"), r.get("gpu_hours_to_target") or 0,
+                                        r[final] if finite(r.get(final)) else math.inf))
+    for r in order:
+        v = r.get(final)
+        gap = "-" if not (finite(v) and finite(best)) else "best" if v == best else f"{v - best:+.4f}"
+        if finite(v) and finite(best) and tie is not None and v != best and v - best <= tie:
+            gap += " (tie)"
+        if r.get("reached"):
+            t = r["gpu_hours_to_target"]
+            cells = [_duration(r["hours_to_target"]), _gpu_hours(t), f"{b / t:.2f}x" if finite(b) and t > 0 else "-",
+                     f"{r['tokens_to_target']:,.0f}", f"{r['step_to_target']:.0f}"]
+        else:
+            cells = [f"not reached (final {v:.4f})" if finite(v) else "no " + name, "-", "-", "-", "-"]
+        out.append("| " + " | ".join([r["label"], str(r["gpus"])] + cells + [
+            "-" if not finite(v) else f"{v:.4f}", gap, _duration(r.get("hours")), _gpu_hours(r.get("gpu_hours"))]) + " |")
+    out += ["", f"vs {base['label']}: its GPU-hours to the target over the run's (above 1: the run gets there sooner)."]
+    for s in spreads:
+        t = f"; their GPU-hours to the target differ by {s['gpu_hours_spread']:.1%}" if s["gpu_hours_spread"] is not None \
+            else ""
+        out.append(f"Seed spread, {s['kind']} ({', '.join(s['runs'])}): final {name} differs by {s['spread']:.4f}{t}.")
+    if tie is not None:
+        out.append(f"Final losses within {tie:.4f} of the best (the largest seed spread) are marked as ties.")
+    else:
+        out.append("No two runs of one FFN and precision differ only in seed: no run-to-run spread to judge ties by.")
+    return out
 
 
 def write_layers_csv(rows: list[dict], path: Path) -> None:
@@ -139,7 +370,9 @@ def write_layers_csv(rows: list[dict], path: Path) -> None:
 
 
 def label_runs(rows: list[dict]) -> None:
-    """Names unique across inputs (file names) and labels by variant, plus the run when variants repeat."""
+    """Names unique across inputs (file names) and labels: the variant, with its precision when the
+    runs' precisions differ ("srelu24 tensorwise": the row's `kind`); where a kind repeats, its
+    seed when that tells the runs apart, else the sweep choice, else the run."""
     for r in rows:
         clash = sum(x["run"] == r["run"] for x in rows) > 1
         r["name"] = f"{r['_dir'].parent.name}_{r['run']}" if clash else r["run"]
@@ -147,15 +380,21 @@ def label_runs(rows: list[dict]) -> None:
         # a multirun job dir is "<job number>_<choice>" (e.g. 3_srelu24_no_permutation): the choice
         # names an ablation better than the FFN kind does
         r["choice"] = re.sub(r"^\d+_", "", r["run"])
+    mixed = len({r.get("precision") for r in rows}) > 1
     for r in rows:
-        repeated = sum(x["variant"] == r["variant"] for x in rows) > 1
+        r["kind"] = f"{r['variant']} {r['precision']}" if mixed and r.get("precision") else r["variant"]
+    for r in rows:
+        same = [x for x in rows if x["kind"] == r["kind"]]
+        seeds = {x.get("seed") for x in same}
         choice_unique = sum(x["choice"] == r["choice"] for x in rows) == 1 and r["choice"] != r["run"]
-        if not repeated:
-            r["label"] = r["variant"]
+        if len(same) == 1:
+            r["label"] = r["kind"]
+        elif None not in seeds and len(seeds) == len(same):
+            r["label"] = f"{r['kind']} seed {r['seed']}"
         elif choice_unique:
             r["label"] = r["choice"]
         else:
-            r["label"] = f"{r['variant']} ({r['name']})"
+            r["label"] = f"{r['kind']} ({r['name']})"
 
 
 def _finish(fig, ax, path: Path, drawn: bool) -> bool:
@@ -169,15 +408,20 @@ def _finish(fig, ax, path: Path, drawn: bool) -> bool:
     return drawn
 
 
-def line_plot(rows: list[dict], y: str, x: str, xlabel: str, ylabel: str, path: Path) -> bool:
+def line_plot(rows: list[dict], y: str, x: str, xlabel: str, ylabel: str, path: Path,
+              target: Optional[float] = None) -> bool:
+    """y against x, a line per run (color by the run's position, the same in every plot); a dashed
+    line at `target`."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     drawn = False
-    for r in rows:
-        pts = [(m[x], m[y]) for m in r["_rows"] if y in m and x in m]
+    for i, r in enumerate(rows):
+        pts = [(m[x], m[y]) for m in r["_rows"] if y in m and x in m and finite(m[x]) and finite(m[y])]
         if pts:
-            ax.plot(*zip(*pts), marker="o" if len(pts) < 20 else None, ms=3, label=r["label"])
+            ax.plot(*zip(*pts), marker="o" if len(pts) < 20 else None, ms=3, color=f"C{i % 10}", label=r["label"])
             drawn = True
     if drawn:
+        if target is not None:
+            ax.axhline(target, color="0.4", lw=0.8, ls="--", label=f"target {target:.4f}")
         ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{ylabel} vs {xlabel}")
     return _finish(fig, ax, path, drawn)
 
@@ -232,18 +476,68 @@ def heatmap(r: dict, path: Path) -> bool:
     return True
 
 
+def wandb_mode(flag: str, rows: list[dict]) -> str:
+    """--wandb auto: offline when any run logged to wandb (online or offline), unless WANDB_MODE is
+    disabled; disabled otherwise. Never online unless asked: the report needs no network."""
+    if flag != "auto":
+        return flag
+    if os.environ.get("WANDB_MODE", "").lower() == "disabled":
+        return "disabled"
+    logged = [r for r in rows if r.get("_wandb") and r["_wandb"]["mode"] != "disabled"]
+    return "offline" if logged else "disabled"
+
+
+def wandb_report(rows: list[dict], out: Path, plots: list[str], tables: dict, mode: str, config: dict) -> str:
+    """One wandb run of job_type "report" in the runs' group (the first run's project, entity and
+    group: training/logger.py's), holding the plots as images and the tables. Returns a line
+    saying where it went."""
+    import wandb
+
+    where = next((r["_wandb"] for r in rows if r.get("_wandb")), {"project": "srelu24", "entity": None, "group": None})
+    groups = sorted({str(r["_wandb"]["group"]) for r in rows if r.get("_wandb")})
+    run = wandb.init(project=where["project"], entity=where["entity"], group=where["group"], job_type="report",
+                     name="report" if out.name == "report" else f"report {out.name}", dir=str(out), mode=mode,
+                     config=config,
+                     settings=wandb.Settings(console="off", quiet=True, silent=True))
+    logged = {f"report/{Path(p).stem}": wandb.Image(str(out / p)) for p in plots}
+    for name, (columns, data) in tables.items():
+        logged[f"report/{name}"] = wandb.Table(columns=columns, data=data)
+    run.log(logged)
+    run.finish()
+    note = f"; the runs are in {len(groups)} groups ({', '.join(groups)}), the report went to the first" \
+        if len(groups) > 1 else ""
+    sync = f"; upload it with: wandb sync {out / 'wandb'}/offline-run-*" if mode == "offline" else ""
+    return f"wandb: report run {run.id}, group {where['group']}, project {where['project']}, {mode}{sync}{note}"
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", type=Path, help="run directories or multirun directories")
     ap.add_argument("--out", type=Path, help="where tables and plots go (default: <first path>/report)")
     ap.add_argument("--baseline", help="label or run name that ratios and loss gaps are taken against "
                     "(default: the first run)")
+    ap.add_argument("--target-loss", type=float, metavar="L",
+                    help="the loss whose time to reach is tabled (default: the worst run's final value)")
+    ap.add_argument("--target-metric", choices=list(METRICS), default="val",
+                    help="the loss the target is of: val (validation, every eval_every steps; default) or train "
+                         "(one batch per log step: noisier)")
+    ap.add_argument("--time", choices=TIME_BASES, default="steady",
+                    help="what time means on the time axes and in the time-to-loss table (the docstring above)")
+    ap.add_argument("--wandb", choices=["auto", "offline", "online", "disabled"], default="auto",
+                    help="the report in wandb: auto (offline when the runs logged to wandb, unless "
+                         "WANDB_MODE=disabled), offline, online (needs the network), disabled")
     args = ap.parse_args(argv)
+    if args.target_loss is not None and not math.isfinite(args.target_loss):
+        return fail(f"--target-loss {args.target_loss}: give a finite loss, e.g. --target-loss 4.5")
     runs = find_runs(args.paths)
     if not runs:
-        print(f"error: no run (a directory with metrics.jsonl) in {' '.join(map(str, args.paths))}", file=sys.stderr)
-        return 2
-    rows = [{**summarize(r), "_dir": r} for r in runs]
+        return fail(f"no run (a directory with metrics.jsonl) in {' '.join(map(str, args.paths))}")
+    rows = [{**summarize(r, args.time), "_dir": r} for r in runs]
     label_runs(rows)
     if args.baseline is None:
         base_index = 0
@@ -252,27 +546,49 @@ def main(argv=None) -> int:
         matches = [i for i, n in enumerate(names) if args.baseline in n]
         if len(matches) != 1:
             what = "is none" if not matches else "matches more than one"
-            print(f"error: --baseline {args.baseline!r} {what} of the runs: {', '.join(r['label'] for r in rows)}",
-                  file=sys.stderr)
-            return 2
+            return fail(f"--baseline {args.baseline!r} {what} of the runs: {', '.join(r['label'] for r in rows)}")
         base_index = matches[0]
     base = rows[base_index]
     for r in rows:
         v, b = r["final_val_loss"], base["final_val_loss"]
         r["val_vs_baseline"] = None if absent(v) or absent(b) else (v - b) / b
+
+    key, name = METRICS[args.target_metric]
+    final = "final_val_loss" if args.target_metric == "val" else "final_loss"
+    finals = [r[final] for r in rows if finite(r.get(final))]
+    target, target_from = args.target_loss, "--target-loss"
+    if target is None and finals:
+        target = max(finals)
+        worst = next(r for r in rows if r.get(final) == target)
+        target_from = f"the worst final {name}: {worst['label']}'s"
+    if target is not None:
+        for r in rows:
+            r.update(time_to_target(r, target, args.target_metric))
     out = args.out or args.paths[0] / "report"
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
+    if target is not None:
+        table += "\n\n" + "\n".join(time_table(rows, base, args.target_metric, target, target_from))
+    else:
+        table += f"\n\nNo run logged a {name}: no time-to-loss table."
     print(table)
     (out / "summary.md").write_text(table + "\n")
     write_csv(rows, out / "summary.csv")
     write_layers_csv(rows, out / "layers.csv")
 
     plots = []
-    if line_plot(rows, "val_loss", "tokens", "tokens", "validation loss", out / "val_loss.png"):
-        plots.append("val_loss.png")
-    if line_plot(rows, "loss", "elapsed_s", "wall-clock seconds", "training loss", out / "train_loss_time.png"):
-        plots.append("train_loss_time.png")
+    hours, gpu_hours = TIME_AXIS[args.time], TIME_AXIS[args.time].replace("hours", "GPU-hours", 1)
+    vt = target if args.target_metric == "val" else None
+    tt = target if args.target_metric == "train" else None
+    for y, x, xlabel, ylabel, file, line in [
+            ("val_loss", "tokens", "tokens", "validation loss", "val_loss.png", vt),
+            ("loss", "tokens", "tokens", "training loss", "train_loss.png", tt),
+            ("val_loss", "_hours", hours, "validation loss", "val_loss_time.png", vt),
+            ("loss", "_hours", hours, "training loss", "train_loss_time.png", tt),
+            ("val_loss", "_gpu_hours", gpu_hours, "validation loss", "val_loss_gpu_hours.png", vt),
+            ("loss", "_gpu_hours", gpu_hours, "training loss", "train_loss_gpu_hours.png", tt)]:
+        if line_plot(rows, y, x, xlabel, ylabel, out / file, line):
+            plots.append(file)
     if val_delta_plot(rows, base, out / "val_loss_delta.png"):
         plots.append("val_loss_delta.png")
     if throughput_plot(rows, out / "throughput.png", base_index):
@@ -282,6 +598,14 @@ def main(argv=None) -> int:
             plots.append(f"sparsity_heatmap_{r['name']}.png")
     print(f"\ntables: {out / 'summary.md'}, {out / 'summary.csv'}")
     print(f"plots in {out}/: {', '.join(plots) or 'none (nothing to plot)'}")
+    mode = wandb_mode(args.wandb, rows)
+    if mode != "disabled":
+        keys = [k for k, _, _ in COLUMNS] + CSV_EXTRA
+        data = [[None if absent(r.get(k)) else r[k] for k in keys] for r in rows]
+        config = {"runs": [r["name"] for r in rows], "labels": [r["label"] for r in rows], "time": args.time,
+                  "target_metric": args.target_metric, "target_loss": target, "baseline": base["label"],
+                  "inputs": [str(p) for p in args.paths]}
+        print(wandb_report(rows, out, plots, {"summary": (keys, data)}, mode, config))
     return 0
 
 

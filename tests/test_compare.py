@@ -3,6 +3,7 @@ plus the steady-state window and resume de-duplication on a hand-written metrics
 import csv
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib.image
@@ -64,15 +65,19 @@ def test_table_of_a_multirun(multirun, report):
         assert float(r["tokens_per_s"]) > 0
         assert 0 < float(r["act_sparsity"]) < 1
         assert r["mfu"] == "" and r["peak_mem_gib"] == ""  # CPU: neither is logged
-    md = (report / "summary.md").read_text().splitlines()
-    assert len(md) == 2 + len(JOBS) and md[0].startswith("| run | variant |")
-    assert all(f"| {job} | {ffn} |" in "\n".join(md) for job, ffn in JOBS.items())
-    assert md[2].split("|")[11].strip() == "-"  # MFU column on CPU
+        assert r["precision"] == "fp32" and r["label"] == r["variant"]  # one precision: labels as before
+        assert r["reached"] in ("True", "False") and float(r["hours"]) > 0  # the time-to-loss columns
+    md = (report / "summary.md").read_text().split("\n\n")[0].splitlines()  # the run table, then time to loss
+    assert len(md) == 2 + len(JOBS) and md[0].startswith("| run | variant | precision |")
+    assert all(f"| {job} | {ffn} | fp32 |" in "\n".join(md) for job, ffn in JOBS.items())
+    assert md[2].split("|")[13].strip() == "-"  # MFU column on CPU
+    assert "## Time to reach validation loss" in (report / "summary.md").read_text()
 
 
 @pytest.mark.slow
 def test_plots_are_written_and_not_blank(report):
-    names = ["val_loss.png", "train_loss_time.png", "val_loss_delta.png", "throughput.png"]
+    names = ["val_loss.png", "train_loss.png", "val_loss_time.png", "train_loss_time.png", "val_loss_gpu_hours.png",
+             "train_loss_gpu_hours.png", "val_loss_delta.png", "throughput.png"]
     names += [f"sparsity_heatmap_{job}.png" for job in JOBS]
     for name in names:
         path = report / name
@@ -114,8 +119,10 @@ def test_baseline_sets_the_loss_gaps_and_ratios(multirun, report, tmp_path, caps
 @pytest.mark.slow
 def test_two_four_phase_throughput_and_per_layer_csv(multirun, report):
     rows = {r["variant"]: r for r in read_csv(report / "summary.csv")}
-    assert rows["swiglu"]["tokens_per_s_24"] == ""  # no 2:4 phase
+    assert rows["swiglu"]["tokens_per_s_24"] == "" and rows["swiglu"]["tokens_per_s_dense"] == ""  # no 2:4 phase
     logged = metrics(multirun / "1_srelu24")
+    dense = [m["tokens_per_s"] for m in logged if m.get("mode_2to4") == 0 and "tokens_per_s" in m][1:]
+    assert float(rows["srelu24"]["tokens_per_s_dense"]) == pytest.approx(statistics.median(dense))
     phase = [m["tokens_per_s"] for m in logged if m.get("mode_2to4") == 1 and "tokens_per_s" in m][1:]
     assert phase and float(rows["srelu24"]["tokens_per_s_24"]) == pytest.approx(sorted(phase)[len(phase) // 2]
                                                                                if len(phase) % 2 else
