@@ -1,7 +1,7 @@
 """Scaled casts to float8 in one Triton pass, for srelu24's own float8 GEMMs (kernels/float8/gemm.py,
 kernels/float8/sparse.py): the srelu24 custom op runs outside torch.compile's graph, where PyTorch
-would spend six passes on `(t.float() * scale).clamp(-max, max).to(dtype)` (profiled on the H200:
-~2 ms per 7B layer and step at T=8192, more than the float8 GEMMs it feeds).
+would spend six passes over the tensor on `(t.float() * scale).clamp(-max, max).to(dtype)`, more
+time than the float8 GEMMs it feeds.
 
 `scaled_cast(t, scale, dtype, transpose)` equals that expression bit for bit (tests/test_fp8_cast.py),
 for one scale, one per row or one per column; `transpose` writes the result transposed (K-major
@@ -46,8 +46,8 @@ def float8_bits(q, E5M2: tl.constexpr):
 
 # Compiled kernels convert with the GPU's cvt.rn.satfinite (sm89+: two values an instruction, ties
 # to even, as torch's cast within the format's range); the bit-level rounding above costs about 20
-# instructions a value and made the e4m3 conversions instruction-bound (benchmarks/RESULTS.md,
-# session 15). Read once, at import: tests/conftest.py sets TRITON_INTERPRET before that.
+# instructions a value, which makes a conversion instruction-bound. Read once, at import:
+# tests/conftest.py sets TRITON_INTERPRET before that.
 NATIVE_CVT = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
@@ -142,9 +142,8 @@ def scaled_cast(t: Tensor, scale: Tensor, dtype: torch.dtype, transpose: bool = 
 # 1. column amaxes: each program reduces a COLUMN_AMAX_TILE tile of B and takes an atomic max on the
 #    bits of |b| (as int32, NaN > inf > every finite value, so a NaN survives the max);
 # 2. the cast: 64 x 64 tiles, each column's scale from its amax, written transposed (K-major).
-# One kernel with N/16 programs, each down all of K twice (the second read from HBM), took 131 us at
-# 16512 x 4096 on the H200; these two take 104 us with the amax tile 256 x 64, the best of three
-# (benchmarks/RESULTS.md, session 15).
+# Two launches because one kernel of N/16 programs, each walking all of K twice, covers too little
+# of the GPU and reads B twice from HBM; the amax tile is the fastest of those tried (lab/LOG.md).
 COLUMN_AMAX_TILE = (256, 64)
 
 

@@ -90,7 +90,8 @@ def _metadata_blocks(meta_ptr, out_ptr, p, n_blocks, BLOCKS: tl.constexpr):
 @triton.jit
 def _compressed_to_e4m3_kernel(x_ptr, words_ptr, out_ptr, scale_ptr, M, n_blocks, C: tl.constexpr, BLOCK: tl.constexpr,
                                BLOCKS: tl.constexpr):
-    """A bf16 compressed buffer as an e4m3 one in one launch (each launch costs the host 20-27 us):
+    """A bf16 compressed buffer as an e4m3 one in one launch (launches cost host time, which the 1B
+    step waits on):
     programs 0..M-1 convert the value rows (x [M, C], C = k/2, into out's first M*C bytes),
     the rest the metadata (words_ptr: the whole buffer as 32-bit words, the metadata after the
     values' M*C/2; into out after the values)."""
@@ -101,10 +102,8 @@ def _compressed_to_e4m3_kernel(x_ptr, words_ptr, out_ptr, scale_ptr, M, n_blocks
         _metadata_blocks(words_ptr + M * C // 2, out_ptr + M * C, p - M, n_blocks, BLOCKS)
 
 
-# 512-byte metadata blocks a program (a power of 2: a tl.arange). On the H200 at the 7B and 1B
-# FFN's operands (8192-16512 x 8192-16512), 2 (4 warps) took 21 us, 1 took 25, 4 took 27, 8 took 43,
-# the table-loading kernel before it 36-37 (benchmarks/RESULTS.md; timed as a kernel of its own,
-# before it joined the rows')
+# 512-byte metadata blocks a program (a power of 2: a tl.arange); 2 at 4 warps was the fastest of
+# 1, 2, 4 and 8 at the 1B and 7B FFN's operands (lab/LOG.md)
 METADATA_BLOCKS = 2
 
 
