@@ -77,7 +77,8 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     vocab_size = resolve_vocab_size(cfg.model, manifest.vocab_size)
     bf16 = use_bf16(t.precision, device)
     fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"  # FSDP's mixed precision, not autocast
-    model, train_module = build_model(lambda: Transformer(cfg.model, cfg.ffn, vocab_size, eot_id=manifest.eot_id), t, d,
+    model, train_module = build_model(lambda: Transformer(cfg.model, cfg.ffn, vocab_size, eot_id=manifest.eot_id,
+                                                          float8=t.float8.value), t, d,
                                       t.seed, fsdp_bf16)
     size = model_size(model, t.seq_len)
     optimizer = build_optimizer(model, cfg.optim, device)
