@@ -4,6 +4,9 @@ step-time breakdown (data, forward, backward, optimizer), on one device or under
     python scripts/bench_step.py +experiment=swiglu_1b                  # on a GPU
     python scripts/bench_step.py +experiment=srelu24_1b --ffn-sweep      # swiglu, srelu, srelu24 in one run
     python scripts/bench_step.py +experiment=srelu24_7b --layers 8       # 7B shapes, layers cut to fit one GPU
+    python scripts/bench_step.py +experiment=swiglu_7b --layers 8 --ffns swiglu,srelu,srelu24 \
+        --precisions none,tensorwise,rowwise                               # 9 rows: every (precision, ffn)
+    python scripts/bench_step.py --merge a.json b.json --out merged.md   # records of several commands, one table
     torchrun --nproc-per-node=2 scripts/bench_step.py +experiment=srelu24_1b trainer.strategy=fsdp --ffn-sweep
 
 The model is built exactly as the trainer builds it (training/distributed.py: meta device,
@@ -13,14 +16,30 @@ FFN statistics on the config's logged steps, `--accum` micro-batches). Batches a
 tokens of the experiment's micro-batch and sequence length ("data" is building them on the host
 and copying them to the device). srelu24 is measured in its 2:4 phase. tokens/s counts all ranks;
 MFU is per GPU. Rank 0 writes a table and benchmarks/results/bench_step.json.
+
+--precisions crosses trainer.float8 (none, tensorwise, rowwise) with the FFNs: each (precision,
+ffn) row is a fresh model, compiled anew. The table gives each row's tokens/s against the fastest
+dense row (swiglu or srelu at any precision) and against swiglu bf16 (the swiglu row without
+float8; the fastest of several). Each JSON row names its precision, commit (short SHA, dirty or
+not), GPU, SM clock and power medians over the timed steps, torch and triton versions.
+Rowwise float8 sets two of inductor's options for the whole process (training/float8.py); they
+are restored after each row, so a later row of another precision runs with the settings it would
+have in a process of its own.
+
+--merge A.json B.json ... [--out merged.md | merged.json]: the rows of several records (a 7B
+sweep of nine rows takes more than one command) as one table with the same ratios and each row's
+commit, clocks and record; records of different shapes (model, layers, micro-batch, sequence,
+accumulation, ranks, strategy) are refused unless --mixed-shapes. Older records, whose rows do
+not name their precision or commit, take them from the record's command line and environment.
 """
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,8 +52,10 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from model import FFN_REGISTRY, Transformer, model_size  # noqa: E402
-from training.config import Strategy, register_configs  # noqa: E402
+from training.config import Float8, Strategy, register_configs  # noqa: E402
 from training.distributed import build_model, exit_process, setup, shutdown  # noqa: E402
+from training.errors import ConfigError  # noqa: E402
+from training.float8 import check as float8_check  # noqa: E402
 from training.logger import environment  # noqa: E402
 from training.loop import autocast_for, use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
@@ -42,6 +63,8 @@ from training.memory import estimate  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.step import StepParts, TrainState, train_step  # noqa: E402
 from training.gpu_clocks import ClockSampler, energy_during  # noqa: E402
+
+PRECISIONS = [f.value for f in Float8]  # trainer.float8's values: none (bf16), tensorwise, rowwise
 
 
 def load_config(overrides: list[str]):
@@ -225,6 +248,38 @@ def energy_accounting(cfg, model_cfg, opt, params, B: int, S: int, seconds: floa
     return {"pieces": rows, "categories": per_cat, "seconds_per_piece": seconds, "density": density}
 
 
+@contextmanager
+def inductor_settings_restored():
+    """torch._inductor.config as it was before the block: options a row set for the whole process
+    (rowwise float8: emulate_precision_casts, triton.prefer_nd_tiling) do not reach the next row."""
+    import torch._inductor.config as inductor
+
+    before = inductor.get_config_copy()
+    try:
+        yield
+    finally:
+        after = inductor.get_config_copy()
+        changed = {}
+        for k, v in before.items():
+            try:
+                same = after.get(k) is v or bool(after.get(k) == v)
+            except Exception:  # noqa: BLE001 - a value without a plain ==: restore it
+                same = False
+            if not same:
+                changed[k] = v
+        if changed:
+            inductor.load_config(changed)
+
+
+def row_environment(env: dict, device: torch.device) -> dict:
+    """What each JSON row names, so that rows of several records can be merged and told apart."""
+    sha = env.get("git_sha")
+    return {"commit": sha[:7] if sha else None, "dirty": env.get("git_dirty"),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+            "torch": env.get("torch"), "triton": env.get("triton"),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 def bench(cfg, args, d) -> dict:
     device, t = d.device, cfg.trainer
     model_cfg = replace(cfg.model, n_layers=args.layers) if args.layers else cfg.model
@@ -233,7 +288,10 @@ def bench(cfg, args, d) -> dict:
     fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"
     # token 0 stands for the end of text: document masking (model.attention=document) sees
     # documents of --doc-len tokens
-    model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=0), t, d, 0, fsdp_bf16)
+    # srelu24's op takes the float8 recipe from the model it is built in (model/transformer.py)
+    recipe = {"float8": t.float8.value} if t.float8 != Float8.none else {}
+    model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=0, **recipe), t, d, 0,
+                                     fsdp_bf16)
     opt = build_optimizer(model, cfg.optim, device)
     B, S = t.micro_batch_size, t.seq_len
     lr = cfg.optim.lr
@@ -272,7 +330,8 @@ def bench(cfg, args, d) -> dict:
     size = model_size(model, S)
     tok_s = parts.tokens_per_step / (step / 1e3)
     peak = peak_flops(device)
-    result = {"ffn": cfg.ffn.kind, "model": model_cfg.name, "n_layers": model_cfg.n_layers,
+    result = {"ffn": cfg.ffn.kind, "float8": t.float8.value,
+              "precision": precision_label(t.float8.value, "bf16" if bf16 else "fp32"), "model": model_cfg.name, "n_layers": model_cfg.n_layers,
               "layers_cut_from": cfg.model.n_layers if args.layers else None, "micro_batch": B, "seq_len": S, "accum": args.accum,
               "world_size": d.world_size, "strategy": t.strategy.value,
               "activation_checkpointing": t.activation_checkpointing.value, "compile": t.compile,
@@ -284,6 +343,7 @@ def bench(cfg, args, d) -> dict:
                                              sparse_2to4=cfg.ffn.kind == "srelu24").peak / 2**30}
     if clocks is not None:  # a power-capped GPU: which variant lowers the clock for everything
         result["clocks"] = clocks.summary()
+        result["sm_clock_mhz"], result["power_w"] = result["clocks"].get("sm_clock_mhz"), result["clocks"].get("power_w")
         if "energy_j" in result["clocks"]:
             result["step_j"] = result["clocks"]["energy_j"] / args.steps
     if energy is not None:
@@ -302,11 +362,173 @@ def bench(cfg, args, d) -> dict:
     return result
 
 
-def main() -> int:
+# ---- the table of (precision, ffn) rows, of one record or merged from several
+
+DENSE = ("swiglu", "srelu")
+EXTRA_COLUMNS = {"gpu": "GPU", "record": "record", "shape": "shape"}
+SHAPE_KEYS = ("model", "n_layers", "micro_batch", "seq_len", "accum", "world_size", "strategy")
+
+
+def precision_label(float8: str, base: str = "bf16") -> str:
+    """A row's precision: the float8 recipe, or `base` (bf16 on GPUs, fp32 on CPU) without one."""
+    return base if float8 in (None, "none") else float8
+
+
+def shape_of(r: dict) -> tuple:
+    return tuple(r.get(k, 1 if k in ("accum", "world_size") else None) for k in SHAPE_KEYS)
+
+
+def describe_shape(r: dict) -> str:
+    layers = f"{r['n_layers']} of {r['layers_cut_from']} layers" if r.get("layers_cut_from") else f"{r['n_layers']} layers"
+    return (f"{r['model']}, {layers}, micro-batch {r['micro_batch']} x {r['seq_len']}, accum {r.get('accum', 1)}, "
+            f"{r.get('world_size', 1)} rank(s), strategy {r.get('strategy', 'none')}")
+
+
+def commit_label(r: dict) -> str:
+    if not r.get("commit"):
+        return "-"
+    return r["commit"] + ("+dirty" if r.get("dirty") else "")
+
+
+def clock_of(r: dict, key: str):
+    """sm_clock_mhz or power_w: the row's own (bench_step writes them beside the clocks summary)
+    or the clocks summary's (older records)."""
+    v = r.get(key)
+    return v if v is not None else (r.get("clocks") or {}).get(key)
+
+
+def ratios(rows: list[dict]) -> dict:
+    """Set each row's vs_fastest_dense and vs_swiglu_bf16 (tokens/s over the reference's; None
+    without a reference) and return the references: {"fastest dense": row or None, "swiglu without float8": row or None}."""
+    dense = [r for r in rows if r.get("ffn") in DENSE and r.get("tokens_per_s")]
+    fastest = max(dense, key=lambda r: r["tokens_per_s"], default=None)
+    plain = [r for r in rows if r.get("ffn") == "swiglu" and r.get("float8", "none") == "none" and r.get("tokens_per_s")]
+    swiglu = max(plain, key=lambda r: r["tokens_per_s"], default=None)
+    for r in rows:
+        r["vs_fastest_dense"] = r["tokens_per_s"] / fastest["tokens_per_s"] if fastest and r.get("tokens_per_s") else None
+        r["vs_swiglu_bf16"] = r["tokens_per_s"] / swiglu["tokens_per_s"] if swiglu and r.get("tokens_per_s") else None
+    return {"fastest dense": fastest, "swiglu without float8": swiglu}
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table(rows: list[dict], extra: tuple = ()) -> list[str]:
+    """Markdown lines: one row per (precision, ffn) measurement, ratios set by `ratios` first.
+    extra: more columns, among "gpu", "record", "shape"."""
+    refs = ratios(rows)
+    head = ["ffn", "precision", "step (ms)", "data", "forward", "backward", "optimizer", "tokens/s",
+            "vs fastest dense", "vs swiglu bf16", "MFU", "peak mem (GiB)", "estimated (GiB)", "SM MHz", "W", "commit"]
+    head += [EXTRA_COLUMNS[e] for e in extra]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.get("ffn", "?"), r.get("precision") or precision_label(r.get("float8")),
+                 _f(r.get("step_ms"), "{:.1f}"), _f(r.get("data_ms"), "{:.1f}"), _f(r.get("forward_ms"), "{:.1f}"),
+                 _f(r.get("backward_ms"), "{:.1f}"), _f(r.get("optimizer_ms"), "{:.1f}"),
+                 _f(r.get("tokens_per_s"), "{:,.0f}"), _f(r["vs_fastest_dense"], "{:.2f}x"),
+                 _f(r["vs_swiglu_bf16"], "{:.2f}x"), "-" if not r.get("mfu") else f"{100 * r['mfu']:.1f}%",
+                 _f(r.get("peak_mem_gib") or None, "{:.1f}"), _f(r.get("estimated_peak_gib"), "{:.1f}"),
+                 _f(clock_of(r, "sm_clock_mhz"), "{:.0f}"), _f(clock_of(r, "power_w"), "{:.0f}"), commit_label(r)]
+        cells += [{"gpu": r.get("gpu") or "-", "record": r.get("record", "-"),
+                   "shape": describe_shape(r)}[e] for e in extra]
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    notes = [f"{name}: {ref.get('ffn')} {ref.get('precision') or precision_label(ref.get('float8'))} "
+             f"({ref['tokens_per_s']:,.0f} tokens/s)" for name, ref in refs.items() if ref]
+    if notes:
+        out += ["", "ratios of tokens/s against " + "; ".join(notes)]
+    return out
+
+
+def argv_float8(argv: list) -> str:
+    """trainer.float8 of an older record's command line (before rows named their precision)."""
+    found = [m.group(1) for a in argv or [] if (m := re.fullmatch(r"\+{0,2}trainer\.float8=(\w+)", str(a)))]
+    return found[-1] if found else "none"
+
+
+def load_rows(path: Path) -> list[dict]:
+    """The rows of a bench_step.py record, each completed from the record where it predates the
+    per-row fields (precision, commit, GPU, versions) and named by its file (`record`)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"error: {path}: no such file (give bench_step.py JSON records)")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {path} is not JSON ({e}); give bench_step.py JSON records")
+    results = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(results, list) or not all(isinstance(r, dict) and "tokens_per_s" in r for r in results):
+        raise SystemExit(f"error: {path} is not a bench_step.py record (a \"results\" list of rows with tokens_per_s)")
+    env = data.get("environment") or {}
+    rows = []
+    for r in results:
+        r = dict(r)
+        r.setdefault("float8", argv_float8(data.get("argv")))
+        r.setdefault("precision", precision_label(r["float8"], "bf16" if env.get("gpu") else "fp32"))
+        if not r.get("commit") and env.get("git_sha"):
+            r["commit"], r["dirty"] = env["git_sha"][:7], bool(env.get("git_dirty"))
+        r.setdefault("gpu", env.get("gpu"))
+        r.setdefault("torch", env.get("torch"))
+        r.setdefault("triton", env.get("triton"))
+        r.setdefault("date", data.get("date"))
+        r["record"] = r.get("record") or path.name
+        rows.append(r)
+    return rows
+
+
+def merge(paths: list[Path], mixed_shapes: bool = False) -> tuple[list[dict], list[str]]:
+    """All rows of the records, in order, and the table's lines with a heading. SystemExit
+    ("error: ...") on a bad record or on records of different shapes (unless mixed_shapes)."""
+    rows = [r for p in paths for r in load_rows(p)]
+    if not rows:
+        raise SystemExit(f"error: {', '.join(map(str, paths))}: no rows to merge")
+    shapes = {}
+    for r in rows:
+        shapes.setdefault(shape_of(r), []).append(r["record"])
+    if len(shapes) > 1 and not mixed_shapes:
+        parts = [f"{describe_shape(next(r for r in rows if shape_of(r) == s))} ({', '.join(dict.fromkeys(files))})"
+                 for s, files in shapes.items()]
+        raise SystemExit(f"error: the records are of different shapes: {'; '.join(parts)}; merge records of one shape, "
+                         "or pass --mixed-shapes")
+    gpus = {r.get("gpu") or "CPU" for r in rows}
+    extra = ("record",) + (("gpu",) if len(gpus) > 1 else ()) + (("shape",) if len(shapes) > 1 else ())
+    where = f"{rows[0].get('world_size', 1)} x {gpus.pop()}" if len(gpus) == 1 else "several GPU models"
+    versions = sorted({f"torch {r.get('torch')}, triton {r.get('triton')}" for r in rows if r.get("torch")})
+    head = [f"{describe_shape(rows[0]) if len(shapes) == 1 else 'several shapes'} on {where}; "
+            f"{len(rows)} rows from {len(paths)} record(s)" + (f"; {' / '.join(versions)}" if versions else ""), ""]
+    return rows, head + table(rows, extra)
+
+
+def merge_main(args) -> int:
+    """--merge: print (and with --out write) the one table of the records' rows."""
+    if args.override:
+        return fail_code(f"--merge takes bench_step.py records, not Hydra overrides ({' '.join(args.override)})")
+    if args.out is not None and args.out.suffix not in (".md", ".json"):
+        return fail_code(f"--out {args.out}: with --merge, give a .md (the table) or a .json (the merged record) path")
+    try:
+        rows, lines = merge(args.merge, args.mixed_shapes)
+    except SystemExit as e:
+        print(e.code, file=sys.stderr)
+        return 2
+    text = "\n".join(lines)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        if args.out.suffix == ".md":
+            args.out.write_text(text + "\n")
+        else:
+            args.out.write_text(json.dumps({"merged_from": [str(p) for p in args.merge], "results": rows}, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ffn-sweep", action="store_true", help="swiglu, srelu and srelu24 in one run")
     ap.add_argument("--ffns", default="", help="the variants to sweep, comma-separated (implies --ffn-sweep), "
                     "e.g. srelu,srelu24")
+    ap.add_argument("--precisions", default="", metavar="LIST",
+                    help=f"trainer.float8 values to cross with the FFNs, comma-separated, of {','.join(PRECISIONS)} "
+                         "(none: bf16); default: the config's trainer.float8")
     ap.add_argument("--layers", type=int, default=0, help="cut the layer count (per-layer figures still hold)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -324,11 +546,19 @@ def main() -> int:
                     help="--energy: fraction of positive FFN pre-activations in the pieces' inputs (default: "
                          "random init's 0.5; a trained model's is about 0.1)")
     ap.add_argument("--print-kernels", type=int, default=12, help=f"kernels printed per variant (the JSON keeps {PROFILE_KEPT})")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.json")
+    ap.add_argument("--out", type=Path, help="the JSON record (default: benchmarks/results/bench_step.json); "
+                    "with --merge: the merged table (.md) or record (.json)")
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                    help="no benchmark: one table of the rows of these records (their --out files)")
+    ap.add_argument("--mixed-shapes", action="store_true",
+                    help="--merge: merge records of different shapes (a shape column is added)")
     ap.add_argument("--replot", type=Path, metavar="JSON",
                     help="only redraw the kernel-category figure of a saved --profile result, next to it")
     ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=srelu24_1b")
-    args = ap.parse_intermixed_args()  # Hydra overrides may come before or after the flags
+    args = ap.parse_intermixed_args(argv)  # Hydra overrides may come before or after the flags
+    if args.merge:
+        return merge_main(args)
+    args.out = args.out or ROOT / "benchmarks" / "results" / "bench_step.json"
     if args.doc_len <= 0 or args.accum <= 0 or args.steps <= 0:
         ap.error(f"--doc-len, --accum and --steps must be positive; got {args.doc_len}, {args.accum}, {args.steps}")
     if args.replot:
@@ -340,15 +570,32 @@ def main() -> int:
         valid = list(FFN_REGISTRY)
         if bad := [v for v in variants if v not in valid]:
             ap.error(f"--ffns: unknown variant(s) {bad}; valid: {valid}")
+    precisions = [None]  # the config's
+    if args.precisions:
+        precisions = args.precisions.split(",")
+        if bad := [p for p in precisions if p not in PRECISIONS]:
+            fail(f"--precisions: unknown value(s) {bad}; valid: a comma-separated list of {', '.join(PRECISIONS)}")
+        if len(set(precisions)) < len(precisions):
+            fail(f"--precisions {args.precisions}: a value is listed twice; list each of {', '.join(PRECISIONS)} once")
     cfgs = []
-    for v in variants:
-        cfg = load_config(args.override + ([f"ffn={v}"] if v else []))
-        if v and cfg.ffn.kind != v:  # an experiment that overrides ffn: force the variant
-            cfg.ffn.kind = v
-        cfg.trainer.device = args.device
-        cfg.trainer.compile = cfg.trainer.compile and not args.no_compile
-        cfgs.append(cfg)
+    for p in precisions:  # each precision's FFNs together, in the order given
+        for v in variants:
+            cfg = load_config(args.override + ([f"ffn={v}"] if v else []) + ([f"trainer.float8={p}"] if p else []))
+            if v and cfg.ffn.kind != v:  # an experiment that overrides ffn: force the variant
+                cfg.ffn.kind = v
+            cfg.trainer.device = args.device
+            cfg.trainer.compile = cfg.trainer.compile and not args.no_compile
+            cfgs.append(cfg)
     d = setup(cfgs[0].trainer)  # the process group (torchrun, trainer.strategy), once for the sweep
+    try:  # before any row: a precision this device cannot run is one line, not a traceback after other rows
+        for recipe in dict.fromkeys(cfg.trainer.float8 for cfg in cfgs):
+            float8_check(recipe, d.device)
+    except ConfigError as e:
+        shutdown(d)
+        if d.is_main:
+            print(f"error: {'--precisions' if args.precisions else 'trainer.float8'}: {e}", file=sys.stderr)
+        return 2
+    env = environment()
     if args.energy and d.device.type == "cuda":  # warm the card first: a cold one leaks less, which favours the first variant
         a = torch.randn(8192, 8192, device=d.device, dtype=torch.bfloat16)
         energy_during(lambda: a @ a, 10.0, d.device)
@@ -356,7 +603,8 @@ def main() -> int:
     try:
         results = []
         for cfg in cfgs:
-            results.append(bench(cfg, args, d))
+            with inductor_settings_restored():
+                results.append({**bench(cfg, args, d), **row_environment(env, d.device)})
             if d.is_main:
                 print(json.dumps(results[-1]), flush=True)
     finally:
@@ -366,13 +614,27 @@ def main() -> int:
     return 0
 
 
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def fail_code(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def label(r: dict) -> str:
+    return f"{r['ffn']} {r['precision']}" if r.get("precision") else r["ffn"]
+
+
 def print_energy(results: list[dict]) -> None:
     """The energy accounting side by side: per category, ms and J per step of the pieces' loops;
     then their sums against the measured step (its joules from NVML over the timed steps)."""
     e0 = results[0]["energy"]
     print(f"\nenergy accounting (each piece {e0['seconds_per_piece']} s in a sustained loop, x calls per step; "
           f"FFN input density {e0['density'] or 'of random init'}):")
-    print("| category | " + " | ".join(f"{r['ffn']} ms | {r['ffn']} J" for r in results) + " |")
+    print("| category | " + " | ".join(f"{label(r)} ms | {label(r)} J" for r in results) + " |")
     print("|---|" + "---|---|" * len(results))
     for c in ENERGY_CATEGORIES:
         cells = [results_cat(r, c) for r in results]
@@ -386,7 +648,7 @@ def print_energy(results: list[dict]) -> None:
     print("| step W, SM MHz | " + " | ".join(f"{r.get('clocks', {}).get('power_w', '-')} | "
                                            f"{r.get('clocks', {}).get('sm_clock_mhz', '-')}" for r in results) + " |")
     for r in results:
-        print(f"\n{r['ffn']}: pieces (ms and mJ per call, W, SM MHz, calls per step)")
+        print(f"\n{label(r)}: pieces (ms and mJ per call, W, SM MHz, calls per step)")
         for p in r["energy"]["pieces"]:
             mj = f"{p['mj_per_call']:.1f}" if p["mj_per_call"] is not None else "-"
             print(f"  {p['ms_per_call']:8.3f} ms {mj:>8} mJ {p['power_w'] or '-':>6} W {p['sm_clock_mhz'] or '-':>6} MHz "
@@ -422,20 +684,14 @@ def report(args, results: list[dict], device: torch.device) -> None:
     r0 = results[0]
     cut = f", layers cut to {r0['n_layers']} of {r0['layers_cut_from']}" if r0["layers_cut_from"] else ""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    commit = f", commit {r0['commit']}{'+dirty' if r0.get('dirty') else ''}" if r0.get("commit") else ""
     print(f"\n{' '.join(args.override)} on {r0['world_size']} x {where} ({r0['strategy']}, micro-batch "
-          f"{r0['micro_batch']} x {r0['seq_len']} per rank{cut})")
-    print("| ffn | step (ms) | data | forward | backward | optimizer | tokens/s | vs first | MFU | peak mem (GiB) "
-          "| estimated (GiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] else "-"
-        print(f"| {r['ffn']} | {r['step_ms']:.1f} | {r['data_ms']:.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} "
-              f"| {r['optimizer_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r0['tokens_per_s']:.2f}x "
-              f"| {mfu} | {mem} | {r['estimated_peak_gib']:.1f} |")
+          f"{r0['micro_batch']} x {r0['seq_len']} per rank, accum {r0['accum']}{cut}{commit})")
+    print("\n".join(table(results)))
+    print(f"record: {args.out} (rows of several records in one table: python scripts/bench_step.py --merge A.json B.json)")
     if any(r.get("clocks", {}).get("samples") for r in results):
         print("\nclocks over the timed steps (NVML medians; joules from its energy counter): "
-              + "; ".join(f"{r['ffn']} {r['clocks'].get('sm_clock_mhz')} MHz, {r['clocks'].get('power_w')} W, "
+              + "; ".join(f"{label(r)} {r['clocks'].get('sm_clock_mhz')} MHz, {r['clocks'].get('power_w')} W, "
                           f"{r.get('step_j', float('nan')):.1f} J/step" for r in results if r.get("clocks")))
     if any(r.get("energy") for r in results):
         print_energy([r for r in results if r.get("energy")])
@@ -443,7 +699,7 @@ def report(args, results: list[dict], device: torch.device) -> None:
         print(f"wrote {plot_kernels(args.out)}")
     for r in results:
         if r.get("top_kernels"):
-            print(f"\n{r['ffn']}: kernels running {r['kernel_busy_ms_per_step']:.1f} ms of a "
+            print(f"\n{label(r)}: kernels running {r['kernel_busy_ms_per_step']:.1f} ms of a "
                   f"{r['profiled_span_ms_per_step']:.1f} ms profiled step; costliest (summed ms, launches per step):")
             for name, ms, n in r["top_kernels"][:args.print_kernels]:
                 print(f"  {ms:8.3f} {n:6.1f}  {name}")

@@ -140,3 +140,34 @@ def test_bench_steps_clock_reads_every_step_once_after_the_last():
     assert len(rows) == 3 and c.phases_ms() == []
     for data, fw, bw, op in rows:
         assert min(data, fw, bw) >= 3.5 and op >= 1.5  # two marks each, one for the optimizer
+
+
+def test_bench_step_refuses_an_unknown_precision_and_float8_on_a_cpu_in_one_line():
+    r = run_bench_step("--precisions", "none,fp8", "+experiment=demo")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1
+    assert lines[0] == ("error: --precisions: unknown value(s) ['fp8']; valid: a comma-separated list of none, "
+                        "tensorwise, rowwise")
+    r = run_bench_step("--precisions", "none,tensorwise", "--device", "cpu", "+experiment=demo", "--layers", "1")
+    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("srelu24: using")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("error: --precisions: trainer.float8=tensorwise needs a CUDA GPU")
+    assert "| swiglu |" not in r.stdout  # refused before any row ran
+
+
+def test_rowwise_inductor_options_do_not_reach_the_next_row():
+    """training/float8.convert sets two inductor options for the whole process under rowwise;
+    bench_step restores them after each row."""
+    import torch._inductor.config as inductor
+
+    from scripts.bench_step import inductor_settings_restored
+
+    before = (inductor.emulate_precision_casts, inductor.triton.prefer_nd_tiling)
+    with inductor_settings_restored():
+        inductor.emulate_precision_casts = not before[0]  # as a rowwise row sets them
+        inductor.triton.prefer_nd_tiling = not before[1]
+    assert (inductor.emulate_precision_casts, inductor.triton.prefer_nd_tiling) == before
+    with pytest.raises(RuntimeError), inductor_settings_restored():  # also when the row fails
+        inductor.triton.prefer_nd_tiling = not before[1]
+        raise RuntimeError("a row that fails")
+    assert inductor.triton.prefer_nd_tiling == before[1]

@@ -15,7 +15,7 @@ def test_ffn_sweep_on_cpu_writes_every_variant(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "+experiment=demo", "--ffn-sweep",
                         "--steps", "1", "--warmup", "1", "--device", "cpu", "--layers", "1", "--out", str(out),
-                        "logging.wandb.mode=disabled"],  # overrides on both sides of the flags
+                        "--precisions", "none", "logging.wandb.mode=disabled"],  # overrides on both sides of the flags
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
@@ -25,7 +25,14 @@ def test_ffn_sweep_on_cpu_writes_every_variant(tmp_path):
         assert x["tokens_per_s"] > 0 and abs(x["step_ms"] - (x["data_ms"] + x["forward_ms"] + x["backward_ms"]
                                                              + x["optimizer_ms"])) < 1e-6
         assert x["mfu"] is None  # no MFU on CPU
-    assert "layers cut to 1 of 4" in r.stdout and "| srelu24 |" in r.stdout
+        # what a merged table needs of each row (scripts/bench_table.py)
+        assert (x["float8"], x["precision"], x["gpu"]) == ("none", "fp32", "CPU")
+        assert len(x["commit"]) == 7 and isinstance(x["dirty"], bool) and x["torch"] and x["date"]
+    assert "layers cut to 1 of 4" in r.stdout and "| srelu24 | fp32 |" in r.stdout
+    fastest = max(results[:2], key=lambda x: x["tokens_per_s"])  # swiglu or srelu: the fastest dense row
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("| srelu24 |")).split(" | ")
+    assert line[8] == f"{results[2]['tokens_per_s'] / fastest['tokens_per_s']:.2f}x"  # vs fastest dense
+    assert line[9] == f"{results[2]['tokens_per_s'] / results[0]['tokens_per_s']:.2f}x"  # vs swiglu bf16
 
 
 def test_fsdp_sweep_under_torchrun_on_two_cpu_processes(tmp_path):

@@ -100,7 +100,7 @@ def step_kernels(results: list[dict]):
         clock = r.get("clocks", {}).get("sm_clock_mhz")
         ax.text(left, y, f" {r['step_ms']:.1f} ms step" + (f", SM {clock:.0f} MHz" if clock else ""),
                 va="center", fontsize=8)
-    ax.set_yticks(range(len(rows)), [r["ffn"] for r in rows])
+    ax.set_yticks(range(len(rows)), [f"{r['ffn']} {r['precision']}" if r.get("precision") else r["ffn"] for r in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, ax.get_xlim()[1] * 1.25)
     ax.set_xlabel("GPU kernel time per step (ms, profiled)")
