@@ -288,10 +288,9 @@ def bench(cfg, args, d) -> dict:
     fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"
     # token 0 stands for the end of text: document masking (model.attention=document) sees
     # documents of --doc-len tokens
-    # srelu24's op takes the float8 recipe from the model it is built in (model/transformer.py)
-    recipe = {"float8": t.float8.value} if t.float8 != Float8.none else {}
-    model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=0, **recipe), t, d, 0,
-                                     fsdp_bf16)
+    # srelu24's op takes the float8 recipe from the model it is built in, as in the trainer (training/loop.py)
+    model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=0, float8=t.float8.value),
+                                     t, d, 0, fsdp_bf16)
     opt = build_optimizer(model, cfg.optim, device)
     B, S = t.micro_batch_size, t.seq_len
     lr = cfg.optim.lr
