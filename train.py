@@ -2,8 +2,8 @@
 
     python train.py +experiment=demo ffn=srelu24          # one run
     python train.py -m ffn=swiglu,srelu,srelu24 +experiment=demo   # a sweep, one job per variant
-    python train.py +experiment=srelu24_7b --cfg job       # print the composed config
-    python train.py +experiment=srelu24_7b trainer.dry_run=true     # sizes and FLOPs, nothing allocated
+    python train.py +experiment=sparse_7b --cfg job       # print the composed config
+    python train.py +experiment=sparse_7b trainer.dry_run=true     # sizes and FLOPs, nothing allocated
 """
 import sys
 from pathlib import Path

@@ -7,18 +7,22 @@ from helpers import EXPERIMENTS, compose_config, run_train, to_object
 from model.config import ffn_hidden_dim
 
 
+# the experiments' former names: each file only points to its new one
+FORMER_NAMES = {f"srelu24_{s}": f"sparse_{s}" for s in ("125m", "1b", "7b")}
+
+
 def test_experiment_list_is_complete():
-    want = {"demo"} | {f"{v}_{s}" for v in ("swiglu", "srelu", "srelu24") for s in ("125m", "1b", "7b")}
+    want = {"demo"} | {f"{v}_{s}" for v in ("swiglu", "srelu", "sparse") for s in ("125m", "1b", "7b")}
     assert want <= set(EXPERIMENTS)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes(experiment):
     cfg = to_object(compose_config([f"+experiment={experiment}"]))
-    assert cfg.name == experiment
+    assert cfg.name == FORMER_NAMES.get(experiment, experiment)
     if experiment != "demo" and not experiment.startswith("study_"):
         variant, scale = experiment.split("_")
-        assert cfg.ffn.kind == {"swiglu": "swiglu", "srelu": "srelu", "srelu24": "srelu24"}[variant]
+        assert cfg.ffn.kind == {"swiglu": "swiglu", "srelu": "srelu", "sparse": "srelu24", "srelu24": "srelu24"}[variant]
         assert cfg.model.name == scale
         # each experiment states its budget, batch, sequence length and learning rate
         assert cfg.trainer.total_tokens > 0 and cfg.trainer.batch_size > 0 and cfg.optim.lr > 0
@@ -31,15 +35,24 @@ def test_command_line_ffn_wins_over_demo(ffn):
     assert cfg.ffn.kind == ffn
 
 
-def test_srelu24_7b_is_llama2_7b_shaped_srelu24():
-    cfg = to_object(compose_config(["+experiment=srelu24_7b"]))
+def test_sparse_7b_is_llama2_7b_shaped_srelu24():
+    cfg = to_object(compose_config(["+experiment=sparse_7b"]))
     assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads) == (4096, 32, 32)
     assert cfg.ffn.kind == "srelu24" and ffn_hidden_dim(cfg.model, cfg.ffn) == 16512
     assert cfg.ffn.dense_feature_fraction == 0.05 and cfg.ffn.token_permutation and cfg.ffn.reuse_forward_mask
 
 
+@pytest.mark.parametrize("former,name", FORMER_NAMES.items())
+def test_a_former_name_composes_the_same_config_from_a_two_line_pointer(former, name):
+    from helpers import ROOT
+
+    assert compose_config([f"+experiment={former}"]) == compose_config([f"+experiment={name}"])
+    lines = (ROOT / "configs" / "experiment" / f"{former}.yaml").read_text().splitlines()
+    assert lines[0] == "# @package _global_" and lines[1].startswith(f"defaults: [{name}]") and len(lines) == 2
+
+
 def test_recipe_switches_are_settable():
-    cfg = to_object(compose_config(["+experiment=srelu24_125m", "ffn.token_permutation=false",
+    cfg = to_object(compose_config(["+experiment=sparse_125m", "ffn.token_permutation=false",
                                     "ffn.reuse_forward_mask=false", "ffn.dense_warmup_steps=0",
                                     "ffn.dense_feature_fraction=0.1"]))
     f = cfg.ffn
@@ -76,13 +89,13 @@ def test_study_sweeps_six_variants_with_one_seed_and_budget():
 
 
 def test_cfg_job_prints_composed_config():
-    r = run_train(["+experiment=srelu24_7b", "--cfg", "job"])
+    r = run_train(["+experiment=sparse_7b", "--cfg", "job"])
     assert r.returncode == 0, r.stderr
     assert "kind: srelu24" in r.stdout and "dim: 4096" in r.stdout
 
 
 def test_dry_run_prints_sizes_without_allocating(tmp_path):
-    r = run_train(["+experiment=srelu24_7b", "trainer.dry_run=true", "model.vocab_size=32000",
+    r = run_train(["+experiment=sparse_7b", "trainer.dry_run=true", "model.vocab_size=32000",
                    f"hydra.run.dir={tmp_path}"])
     assert r.returncode == 0, r.stderr
     assert "6,476,271,616" in r.stdout  # non-embedding parameters of Llama-2-7B shapes (srelu hidden 16512)
@@ -139,7 +152,7 @@ def test_ffn_yaml_with_an_unknown_kind_fails_with_one_line(tmp_path, capsys):
 
 def test_unknown_experiment_lists_experiments():
     line = one_error_line(run_train(["+experiment=srelu24_13b"]))
-    assert "srelu24_7b" in line and "demo" in line
+    assert "sparse_7b" in line and "demo" in line
 
 
 def test_srelu24_hidden_size_it_cannot_take(tmp_path):

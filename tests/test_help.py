@@ -35,10 +35,15 @@ def test_help_names_every_experiment_and_only_those(help_text):
 
 
 def test_help_lists_each_group_with_its_options(help_text):
-    listed = {}
+    listed, group = {}, None
     for line in section(help_text, "Config groups (group=option)"):
-        group, options = line.strip().split(":", 1)
-        listed[group] = sorted(o.strip() for o in options.split("  ")[0].split(","))
+        head, sep, options = line.strip().partition(":")
+        if sep and "," not in head:
+            group = head
+        else:  # a continuation of the previous group's options
+            options = line.strip()
+        listed.setdefault(group, []).extend(o.strip() for o in options.split("  ")[0].split(",") if o.strip())
+    listed = {g: sorted(o) for g, o in listed.items()}
     want = {d.name: sorted(p.stem for p in d.glob("*.yaml"))
             for d in CONFIGS.iterdir() if d.is_dir() and d.name not in ("experiment", "hydra")}
     want["hydra/launcher"] = sorted(p.stem for p in (CONFIGS / "hydra" / "launcher").glob("*.yaml"))

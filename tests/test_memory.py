@@ -26,7 +26,7 @@ MEASURED = [  # (model, ffn, trainer, srelu24's 2:4 phase, GiB measured)
     (replace(M7B, n_layers=8), "srelu", BENCH_7B, None, 33.91),       # bench_step_7b_final_s7.json
     (replace(M7B, n_layers=8), "srelu24", BENCH_7B, True, 31.68),
     (replace(M7B, n_layers=8), "swiglu", BENCH_7B, None, 33.90),      # bench_step_7b_sweep_s6.json
-    (M1B, "srelu24", TRAIN_1B, False, 43.6),                          # the trainer, srelu24_1b: dense warmup
+    (M1B, "srelu24", TRAIN_1B, False, 43.6),                          # the trainer, sparse_1b: dense warmup
     (M1B, "srelu24", TRAIN_1B, True, 36.2),                           # and 2:4
     (M7B, "srelu", TRAIN_7B_FSDP, None, 106.6),                       # full 7B, FSDP + full AC, one GPU
 ]
@@ -82,7 +82,7 @@ def test_checkpoint_bytes_are_weights_and_adamw():
 
 
 def test_dry_run_prints_the_memory_estimate():
-    r = run_train(["+experiment=srelu24_1b", "trainer.dry_run=true", "trainer.strategy=fsdp",
+    r = run_train(["+experiment=sparse_1b", "trainer.dry_run=true", "trainer.strategy=fsdp",
                    "trainer.activation_checkpointing=full"], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
