@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -175,8 +176,49 @@ def test_disk_full_names_the_reason_and_path_and_keeps_older_checkpoints(tmp_pat
         c.close()  # async: the write's error comes at the next save or at close
     msg = str(e.value)
     assert "\n" not in msg and "No space left on device" in msg and str(run / "checkpoints" / "step_00000002") in msg
-    assert "intact" in msg
+    assert msg.startswith(f"disk full (No space left on device) while writing checkpoint {run / 'checkpoints'}")
+    assert re.search(r": [\d,.]+ (bytes|GB|TB) free on /\S*; the previous checkpoints in \S+ are intact$", msg), msg
     assert names(run) == ["step_00000001"]
+    ck.verify_checkpoint(run / "checkpoints" / "step_00000001")
+
+
+TORCH_WRITE_FAILED = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+
+
+@pytest.mark.parametrize("context, free, full", [(True, 10 << 30, True), (False, 4096, True), (False, 10 << 30, False)],
+                         ids=["enospc-inside", "little-left", "room-left"])
+def test_torchs_failed_write_is_named_disk_full_with_the_bytes_free(tmp_path, monkeypatch, context, free, full):
+    """torch's zip writer reports a refused write as "unexpected pos": with the OS's ENOSPC inside it,
+    or with little left on the filesystem, that is a full disk; otherwise its own words."""
+    real = dcp_fs._write_item
+
+    def write_item(transforms, stream, *a, **k):
+        if "step_00000002" in str(getattr(stream, "name", "")):
+            stream.write(b"half a shard")
+            if context:
+                try:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                except OSError:
+                    raise RuntimeError(TORCH_WRITE_FAILED)
+            raise RuntimeError(TORCH_WRITE_FAILED)
+        return real(transforms, stream, *a, **k)
+
+    model, opt = trained()
+    run = tmp_path / "run"
+    ck.save_checkpoint(run, 1, state_of(model, opt))
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: type("U", (), {"free": free})())
+    with pytest.raises(CheckpointError) as e:
+        ck.save_checkpoint(run, 2, state_of(model, opt))
+    msg, where = str(e.value), run / "checkpoints" / "step_00000002"
+    if full:
+        assert msg.startswith("disk full") and f"while writing checkpoint {where}: " in msg, msg
+        assert f"{free:,} bytes free on " in msg or f"{free / 1e9:.3g} GB free on " in msg, msg
+        assert "unexpected pos" not in msg
+    else:
+        assert msg.startswith(f"could not write checkpoint {where}: {TORCH_WRITE_FAILED}"), msg
+    assert msg.endswith("are intact") and "\n" not in msg
+    assert names(run) == ["step_00000001"]  # the partial write removed, the previous checkpoint kept
     ck.verify_checkpoint(run / "checkpoints" / "step_00000001")
 
 
@@ -288,14 +330,14 @@ def test_background_saves_warn_when_the_host_copy_does_not_fit(tmp_path, monkeyp
     model, _ = trained()
     each = 3 * sum(p.numel() * 4 for p in model.parameters())
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(ck, "_available_host_bytes", lambda: 8 * each - 1)
+    monkeypatch.setattr(ck, "available_host_bytes", lambda: 8 * each - 1)
     ck.Checkpointer(tmp_path, 1, asynchronous=True).check_space(model, 0, 10, 5)
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "(8 on this host)" in warned[0] and "trainer.async_checkpoint=false" in warned[0]
     caplog.clear()
-    monkeypatch.setattr(ck, "_available_host_bytes", lambda: 8 * each)
+    monkeypatch.setattr(ck, "available_host_bytes", lambda: 8 * each)
     ck.Checkpointer(tmp_path, 1, asynchronous=True).check_space(model, 0, 10, 5)
-    monkeypatch.setattr(ck, "_available_host_bytes", lambda: 0)
+    monkeypatch.setattr(ck, "available_host_bytes", lambda: 0)
     ck.Checkpointer(tmp_path, 1, asynchronous=False).check_space(model, 0, 10, 5)  # no host copy
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 

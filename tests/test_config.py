@@ -334,3 +334,25 @@ def test_attention_shapes_fail_alike_in_the_model_and_at_start_up(dim, heads, kv
     with pytest.raises(ValueError, match=re.escape(problem)):
         Transformer(cfg, FFNConfig(), vocab_size=300)
     assert attention_shape_problem(ModelConfig(dim=128, n_heads=4, n_kv_heads=2)) is None
+
+
+# ---------------------------------------------------------------- WANDB_MODE
+
+@pytest.mark.parametrize("env, mode", [(None, "offline"), ("online", "online"), ("offline", "offline"),
+                                       ("disabled", "disabled"), ("dryrun", "offline"), ("run", "online")])
+def test_wandb_mode_follows_the_wandb_mode_variable(monkeypatch, env, mode):
+    if env is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", env)
+    assert to_object(compose_config([])).logging.wandb.mode.value == mode
+    # a setting on the command line wins over the variable
+    assert to_object(compose_config(["logging.wandb.mode=disabled"])).logging.wandb.mode.value == "disabled"
+
+
+def test_a_bad_wandb_mode_variable_is_one_line_naming_it():
+    line = one_error_line(run_train(["trainer.dry_run=true"], env={"WANDB_MODE": "loud"}))
+    assert line == ("error: WANDB_MODE=loud in the environment: valid values are online, offline, disabled (wandb's "
+                    "dryrun and run mean offline and online), or set logging.wandb.mode")
+    r = run_train(["trainer.dry_run=true", "logging.wandb.mode=disabled"], env={"WANDB_MODE": "loud"})
+    assert r.returncode == 0, r.stderr

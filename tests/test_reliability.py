@@ -478,6 +478,22 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(straight_kill_run):
         verify_checkpoint(straight_kill_run / "checkpoints" / n)
 
 
+def test_resuming_a_finished_run_says_it_is_complete_and_changes_nothing(straight_kill_run, corpus, cache, caplog,
+                                                                      keep_signal_handlers):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    before = snapshot(straight_kill_run)
+    summary = train_in_process(straight_kill_run.parent, corpus, cache, [*KILL_EXTRA, "trainer.resume=auto"])
+    assert summary["complete_at_step"] == KILL_STEPS
+    assert all(math.isfinite(v) for v in summary.values() if isinstance(v, float))
+    said = [r.getMessage() for r in caplog.records]
+    assert said[-1].startswith(f"run complete at step {KILL_STEPS} ({ckpt(straight_kill_run, KILL_STEPS)}); "
+                               f"nothing to do"), said
+    assert not [m for m in said if "nan" in m.lower()]
+    assert snapshot(straight_kill_run) == before  # nothing built, written or pruned
+
+
 # ---------------------------------------------------------------- 7. corrupted shard
 
 def test_token_id_past_vocabulary_names_the_shard(tmp_path, corpus, cache):

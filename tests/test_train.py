@@ -117,3 +117,13 @@ def test_truncated_shard_is_named(tmp_path, corpus):
     shard.unlink()
     r = run_train(args)
     assert r.returncode == 2 and shard.name in r.stderr.strip().splitlines()[-1]
+
+
+def test_the_last_line_names_only_the_losses_the_run_measured(tmp_path):
+    """A run stopped before its first evaluation has no validation loss: no `nan` in its last line."""
+    from training.logger import end_summary
+
+    line = end_summary(tmp_path, {"final_train_loss": 4.25, "final_val_loss": math.nan})
+    assert line == f"done: {tmp_path}; final train loss 4.2500; compare runs with: python scripts/compare.py {tmp_path}"
+    both = end_summary(tmp_path, {"final_train_loss": 4.25, "final_val_loss": 4.5})
+    assert "final train loss 4.2500, validation loss 4.5000;" in both

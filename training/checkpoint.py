@@ -22,6 +22,7 @@ writes, checksums and commits it while training goes on. One save is in flight a
 
 Under a process group every function here is called by all ranks in the same order: each local
 failure is shared (all-gather) before anyone acts on it, so no rank waits for one that gave up."""
+import errno
 import hashlib
 import json
 import logging
@@ -110,6 +111,58 @@ def _reason(e: BaseException) -> str:
     if not first or isinstance(e, LookupError):  # a KeyError's message is only its key: name the error
         return f"{type(e).__name__}: {first}" if first else type(e).__name__
     return first
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """e, what it wraps (DCP's per-rank failures) and its causes and contexts, each once."""
+    out, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is seen for seen in out):
+            continue
+        out.append(x)
+        failures = getattr(x, "failures", None) or {}
+        todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return out
+
+
+# torch's zip writer (torch.save, DCP's shards) reports a write the disk refused as a position
+# mismatch, or as a failed write, without the OS error where it wrote through C++
+_TORCH_WRITE_FAILED = ("unexpected pos", "file write failed")
+# ... so with less than this left on the filesystem such a failure is taken for a full disk
+DISK_FULL_BYTES = 1 << 30
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} bytes" if n < 1e6 else f"{n / 1e9:.3g} GB" if n < 1e12 else f"{n / 1e12:.3g} TB"
+
+
+def _mount(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_failure(final: Path, e: BaseException) -> str:
+    """The line for a failed checkpoint write: a full disk (ENOSPC, or torch's failed write with
+    under DISK_FULL_BYTES left) named as such, with the bytes free on its filesystem, measured now,
+    before the partial write is removed; else the reason (_reason)."""
+    causes = _causes(e)
+    enospc = next((c for c in causes if isinstance(c, OSError) and c.errno == errno.ENOSPC), None)
+    try:
+        free = shutil.disk_usage(_mount(final)).free
+    except OSError:
+        free = None
+    torch_failed = any(m in str(c) for c in causes for m in _TORCH_WRITE_FAILED)
+    if enospc is None and not (torch_failed and free is not None and free < DISK_FULL_BYTES):
+        return f"could not write checkpoint {final}: {_reason(e)}"
+    why = f" ({enospc.strerror})" if enospc is not None and enospc.strerror else ""
+    room = f": {_bytes(free)} free on {_mount(final)}" if free is not None else ""
+    return f"disk full{why} while writing checkpoint {final}{room}"
 
 
 # ---------------------------------------------------------------- files
@@ -209,7 +262,7 @@ def _begin(run_dir: Path, step: int) -> None:
             shutil.rmtree(tmp, ignore_errors=True)  # a killed attempt at this same step
             tmp.mkdir()
         except OSError as e:
-            err = f"could not write checkpoint {final}: {_reason(e)}"
+            err = _write_failure(final, e)
     err = _first_error(err)
     if err:
         raise CheckpointError(f"{err}; the previous checkpoints in {tmp.parent} are intact")
@@ -234,7 +287,7 @@ def _complete(run_dir: Path, step: int, state: dict, keep_last: int, write_tenso
             try:
                 phase()
             except FAILED as e:  # noqa: BLE001 - any failure to write is reported the same way
-                err = f"could not write checkpoint {final}: {_reason(e)}"
+                err = _write_failure(final, e)
         err = _first_error(err, group)  # collective: called by every rank at each phase, failed or not
 
     def tensors_and_rank_state() -> None:
@@ -402,7 +455,7 @@ class Checkpointer:
                                     process_group=self._group, async_stager=self._staging,
                                     no_dist=_ranks()[1] == 1)
         except FAILED as e:  # noqa: BLE001 - staging (host memory) or planning failed
-            err = f"could not write checkpoint {final}: {_reason(e)}"
+            err = _write_failure(final, e)
         err = _first_error(err)
         if err:
             if _ranks()[0] == 0:
@@ -482,21 +535,26 @@ def host_memory_warning(model: torch.nn.Module) -> Optional[str]:
 
     each = sum(3 * local(p).numel() * p.element_size() for p in model.parameters())  # weights + AdamW's 2
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    available = _available_host_bytes()
+    available = available_host_bytes()
     if available is None or each * procs <= available:
         return None
     return (f"background checkpoints copy {each / 1e9:.3g} GB per process ({procs} on this host) into host memory, "
             f"{available / 1e9:.3g} GB are available; set trainer.async_checkpoint=false if the host runs short")
 
 
-def _available_host_bytes() -> Optional[int]:
+def available_host_bytes() -> Optional[int]:
+    """The host's available memory (MemAvailable: free plus what the kernel can reclaim); where
+    /proc/meminfo has none, the free pages; None where neither is known."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
 
 
 def saves_ahead(start: int, steps: int, ckpt_every: int, stop_at_step: int = -1) -> int:

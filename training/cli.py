@@ -2,6 +2,7 @@
 group option, key or type ends with ONE line (Hydra's own message, condensed) and exit 2; the
 run's name; and the one-line error exit of a rejected run, which leaves no run directory."""
 import os
+import re
 import shutil
 import sys
 import time
@@ -33,7 +34,8 @@ def condense(message: str) -> str:
             parts.append(line.strip().rstrip(":."))
     if options:
         parts[-1] += ": " + ", ".join(options)
-    return "; ".join(parts)
+    # a resolver's own message (configs/logging/default.yaml's ${wandb_mode:...}) says what is wrong
+    return re.sub(r"^\w+ raised while resolving interpolation: ", "", "; ".join(parts))
 
 
 RANK_EXIT_DELAY_S = 5.0

@@ -1,11 +1,13 @@
 """The config schema: one dataclass per group, registered in Hydra's ConfigStore, so a
 misspelt key or a wrong type fails at start-up with Hydra's message. The YAML files in
 configs/ fill these in; experiments override them."""
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from data.config import DataConfig
 from model.config import FFNConfig, ModelConfig
@@ -80,6 +82,12 @@ class TrainerConfig:
     # into host memory. None: on with CUDA, off on CPU (there the copy costs what the write does)
     async_checkpoint: Optional[bool] = None
     check_space: bool = True     # before training: stop if the checkpoints to come do not fit on the disk
+    # before the data and the model: stop if the estimated peak memory does not fit the device, warn
+    # close to it (training/preflight.py); the dry run prints the same verdict
+    check_memory: bool = True
+    # what check_memory compares with; None: the device's free memory (on the CPU the available RAM;
+    # a dry run without a GPU: one H200's)
+    memory_capacity_gib: Optional[float] = None
     # settings a resume may change (e.g. [trainer.max_steps, optim.lr]); others that differ from the
     # checkpoint's (model, ffn, optim, schedule length, batch, seed) stop the resume
     resume_overrides: List[str] = field(default_factory=list)
@@ -91,9 +99,25 @@ class WandbMode(str, Enum):
     disabled = "disabled"
 
 
+WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online"}  # wandb's older names, which it still accepts
+
+
+def wandb_mode_from_env(default: str) -> str:
+    """configs/logging/default.yaml's ${wandb_mode:offline}: the WANDB_MODE environment variable
+    where it is set (the cluster convention), else `default`; logging.wandb.mode=... overrides both."""
+    value = os.environ.get("WANDB_MODE", "")
+    if not value:
+        return default
+    mode = WANDB_MODE_ALIASES.get(value, value)
+    if mode not in WandbMode.__members__:
+        raise ValueError(f"WANDB_MODE={value} in the environment: valid values are online, offline, disabled "
+                         f"(wandb's dryrun and run mean offline and online), or set logging.wandb.mode")
+    return mode
+
+
 @dataclass
 class WandbConfig:
-    mode: WandbMode = WandbMode.offline
+    mode: WandbMode = WandbMode.offline  # configs/logging/default.yaml: WANDB_MODE where it is set
     project: str = "srelu24"
     entity: Optional[str] = None
     group: Optional[str] = None   # None: the experiment's name
@@ -103,8 +127,8 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    # on GPUs: the median SM clock and power of each log interval (nvidia-smi every 0.5 s; the
-    # speed of a power-capped GPU follows them). Off, or without nvidia-smi: not logged.
+    # on GPUs: the median SM clock and power of each log interval (NVML every 0.5 s, training/gpu_clocks.py;
+    # the speed of a power-capped GPU follows them). Off, or where NVML cannot be read: not logged.
     gpu_clocks: bool = True
 
 
@@ -122,3 +146,4 @@ class Config:
 def register_configs() -> None:
     """configs/config.yaml lists `schema` first, so every group's YAML merges into a typed node."""
     ConfigStore.instance().store(name="schema", node=Config)
+    OmegaConf.register_new_resolver("wandb_mode", wandb_mode_from_env, replace=True)

@@ -73,7 +73,7 @@ RANGES = {
     "trainer.total_tokens": POSITIVE, "trainer.max_steps": Range(0, lo_open=True, also=(-1,), what="the token budget"),
     "trainer.stop_at_step": STEP_OR_OFF, "trainer.eval_every": POSITIVE, "trainer.eval_batches": POSITIVE,
     "trainer.log_every": POSITIVE, "trainer.ckpt_every": POSITIVE, "trainer.keep_last": NON_NEGATIVE,
-    "trainer.dist_timeout_s": POSITIVE, "trainer.num_threads": NON_NEGATIVE,
+    "trainer.dist_timeout_s": POSITIVE, "trainer.num_threads": NON_NEGATIVE, "trainer.memory_capacity_gib": POSITIVE,
 }
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")

@@ -3,6 +3,7 @@
 (<run_dir>/train.log) holds them, with a console handler that keeps tqdm's bar intact."""
 import json
 import logging
+import math
 import secrets
 import socket
 import subprocess
@@ -128,9 +129,13 @@ def startup_summary(run_dir: Path, cfg, info: dict, start: int) -> str:
 
 
 def end_summary(run_dir: Path, summary: dict) -> str:
-    """The run's last line: where it is, its final losses, and how to look at it."""
-    return (f"done: {run_dir}; final train loss {summary['final_train_loss']:.4f}, validation loss "
-            f"{summary['final_val_loss']:.4f}; compare runs with: python scripts/compare.py {run_dir}")
+    """The run's last line: where it is, its final losses (those it measured: a run stopped before
+    its first evaluation has none), and how to look at it."""
+    losses = [f"{name} {summary[key]:.4f}" for key, name in (("final_train_loss", "final train loss"),
+                                                              ("final_val_loss", "validation loss"))
+              if math.isfinite(summary.get(key, math.nan))]
+    parts = [f"done: {run_dir}"] + ([", ".join(losses)] if losses else [])
+    return "; ".join(parts + [f"compare runs with: python scripts/compare.py {run_dir}"])
 
 
 class ConsoleHandler(logging.Handler):

@@ -29,7 +29,9 @@ from .config import Config, Strategy
 from .distributed import Dist, agree, broadcast_object, build_model, launch_env, local, setup, shutdown
 from .errors import TrainingError
 from .logger import RunLogger, end_summary, environment, startup_summary
-from .memory import dry_run_rows
+from .memory import dry_run_rows, use_bf16, world_size_of_launch
+from .preflight import check_memory, dry_run_capacity
+from .preflight import dry_run_rows as fit_rows
 from .gpu_clocks import ClockSampler
 from .metrics import Throughput, peak_info
 from .optim import build_optimizer, lr_at
@@ -57,7 +59,14 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     t, device = cfg.trainer, d.device
     if t.num_threads > 0:
         torch.set_num_threads(t.num_threads)
+    check_memory(cfg, d)  # before anything large is allocated: a run that cannot fit ends here
     run_dir = shared_run_dir(run_dir, d)
+    steps, tokens_per_step = total_steps(t), t.batch_size * t.seq_len
+    resolved = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
+    resumed = find_resume_checkpoint(t.resume, run_dir)
+    if resumed is not None and resumed[1]["step"] >= steps:  # other settings are refused as in any resume
+        check_resume(resumed[0], resumed[1].get("config"), resolved, t.resume_overrides)
+        return complete_run(resumed[0], resumed[1]["step"], steps, tokens_per_step, d)
 
     # rank 0 prepares missing shards (hours, for a large corpus) while the others wait without a
     # timeout; any failure there reaches every rank, then every rank finds the shards cached
@@ -83,14 +92,10 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     size = model_size(model, t.seq_len)
     optimizer = build_optimizer(model, cfg.optim, device)
     accum = t.batch_size // (t.micro_batch_size * d.world_size)
-    steps = total_steps(t)
-    tokens_per_step = t.batch_size * t.seq_len
     loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed, d.rank, d.world_size)
     val_batches = TokenLoader(shard_dir, manifest, "val", t.seq_len, t.micro_batch_size, t.seed).fixed_batches(t.eval_batches)
 
     state = TrainState(loader=loader)
-    resolved = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
-    resumed = find_resume_checkpoint(t.resume, run_dir)
     if resumed is not None:
         path, saved = resumed
         check_model_shape(path, saved, model)
@@ -245,6 +250,14 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     return summary
 
 
+def complete_run(path: Path, step: int, steps: int, tokens_per_step: int, d: Dist) -> dict:
+    """A resume of a run that already reached its last step: nothing is built or written."""
+    if d.is_main:
+        log.info(f"run complete at step {step} ({path}); nothing to do. To train on, raise trainer.max_steps "
+                 f"and allow it: trainer.resume_overrides=[trainer.max_steps]")
+    return {"steps": steps, "tokens": step * tokens_per_step, "complete_at_step": step}
+
+
 class StopSignal:
     """Records SIGTERM / SIGUSR1 / SIGUSR2 (preemption, a time limit) instead of dying mid-step.
     After the checkpoint, `forward` hands the signal to the handler it replaced, if that was
@@ -294,10 +307,6 @@ def check_same_data(path: Path, state: dict, manifest) -> None:
             f"(vocab {manifest.vocab_size}); point data.* at the checkpoint's shards")
 
 
-def use_bf16(precision: str, device: torch.device) -> bool:
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
-
-
 def autocast_for(precision: str, strategy: Strategy, device: torch.device):
     """bf16 autocast, except under FSDP on a GPU, whose mixed precision keeps bf16 parameters
     itself (build_model's bf16_params); a factory, since one context object is not re-entrant."""
@@ -307,7 +316,8 @@ def autocast_for(precision: str, strategy: Strategy, device: torch.device):
 
 
 def dry_run(cfg: Config) -> dict:
-    """Build on the meta device (nothing allocated) and print the sizes and FLOPs."""
+    """Build on the meta device (nothing allocated) and print the sizes, FLOPs, memory and whether
+    it fits (training/preflight.py)."""
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.ffn, vocab)
@@ -322,7 +332,9 @@ def dry_run(cfg: Config) -> dict:
             ("FLOPs per token, training (6N + 12LdS)", f"{s.flops_per_token:.4g}"),
             ("FLOPs per token, forward", f"{s.forward_flops_per_token:.4g}"),
             ("steps x tokens per step", f"{steps:,} x {cfg.trainer.batch_size * cfg.trainer.seq_len:,}"),
-            ("training FLOPs for the budget", f"{s.flops_per_token * tokens:.4g}")] + dry_run_rows(cfg, vocab)
+            ("training FLOPs for the budget", f"{s.flops_per_token * tokens:.4g}")]
+    capacity, bf16 = dry_run_capacity(cfg)
+    rows += dry_run_rows(cfg, vocab, bf16) + fit_rows(cfg, vocab, capacity, bf16, world_size_of_launch(cfg.trainer))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
     return {"params_total": s.total, "params_non_embedding": s.non_embedding, "flops_per_token": s.flops_per_token}

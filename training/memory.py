@@ -38,15 +38,16 @@ counted at twice the bytes. The srelu24 figure assumes the CUDA sparsify kernels
 the Triton path keeps Z (2 bytes per hidden unit) instead of A24.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
 from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim
 
-from .checkpoint import checkpoint_bytes
+from .checkpoint import checkpoint_bytes, saves_ahead, space_needed
 from .config import ActivationCheckpointing, Config, Float8, Strategy, TrainerConfig
+from .config_checks import total_steps
 
 GiB = 2 ** 30
 # calibrated (see the docstring): bytes per token and model dimension
@@ -55,6 +56,10 @@ BLOCK_GRAD_TRANSIENT_BYTES = 8       # per parameter of the block in backward, b
 FFN_KEPT = {"swiglu": 3.0, "srelu": 2.0}  # bf16 hidden-sized tensors kept for the backward
 A24_OF_Z = 9 / 16                    # srelu24's compressed A24 against Z: half the values + 2 bits each
 KEPT_CONVERSIONS = "srelu24's kept e4m3 weight conversions"
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= 10 * GiB else f"{n / GiB:.3g} GiB"
 
 
 @dataclass
@@ -66,11 +71,18 @@ class MemoryEstimate:
     peak: int = 0
 
 
-def _counts(model: Transformer) -> tuple[int, int, int]:
+_COUNTS: dict = {}  # the search of settings that fit estimates one model shape many times
+
+
+def _counts(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int) -> tuple[int, int, int]:
     """Unique parameters, those of one block, and of the root (embedding, final norm, LM head)."""
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    block = sum(p.numel() for p in model.layers[0].parameters())
-    return total, block, total - block * len(model.layers)
+    key = (repr(mcfg), repr(fcfg), vocab)
+    if key not in _COUNTS:
+        model = _meta_model(mcfg, fcfg, vocab)
+        total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        block = sum(p.numel() for p in model.layers[0].parameters())
+        _COUNTS[key] = total, block, total - block * len(model.layers)
+    return _COUNTS[key]
 
 
 def _meta_model(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int) -> Transformer:
@@ -110,8 +122,7 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     act = 2 if bf16 else 4
     residual = 2 if (fsdp and bf16) else 4  # FSDP's bf16 parameters: no fp32 residual stream
 
-    model = _meta_model(mcfg, fcfg, vocab)
-    P, P_block, P_root = _counts(model)
+    P, P_block, P_root = _counts(mcfg, fcfg, vocab)
     L, d, T = mcfg.n_layers, mcfg.dim, t.micro_batch_size * t.seq_len
     n_ckpt = {ActivationCheckpointing.none: 0, ActivationCheckpointing.selective: math.ceil(L / 2),
               ActivationCheckpointing.full: L}[t.activation_checkpointing]
@@ -155,9 +166,106 @@ def world_size_of_launch(t: TrainerConfig) -> int:
     return launch.world_size if launch else 1
 
 
-def dry_run_rows(cfg: Config, vocab: int) -> list[tuple[str, str]]:
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """trainer.precision on this device: auto is bf16 on CUDA, fp32 on the CPU."""
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def run_phases(cfg: Config) -> list[Optional[bool]]:
+    """estimate's sparse_2to4 for each phase the run goes through: srelu24's dense warmup and its 2:4
+    phase, or the one phase of a dense FFN."""
+    if cfg.ffn.kind != "srelu24":
+        return [None]
+    warmup = cfg.ffn.dense_warmup_steps
+    return [False] * (warmup > 0) + [True] * (warmup < total_steps(cfg.trainer)) or [False]
+
+
+def run_peak(cfg: Config, vocab: int, t: TrainerConfig, world: int, bf16: bool) -> tuple[int, str]:
+    """The largest peak per GPU over the run's phases, and the phase's name ("" for a dense FFN)."""
+    peaks = [(estimate(cfg.model, cfg.ffn, vocab, t, world, sparse_2to4=s, bf16=bf16).peak,
+              "" if s is None else "srelu24 2:4" if s else "srelu24 dense warmup") for s in run_phases(cfg)]
+    return max(peaks)
+
+
+@dataclass(frozen=True)
+class Change:
+    """Settings that change the peak: `overrides` for the command line, on `world` processes."""
+    overrides: tuple
+    world: int
+    cost: float    # the step's extra time, roughly, as a fraction (see _knob_cost)
+    peak: int = 0
+
+    def __str__(self) -> str:
+        gpus = f" under torchrun --nproc-per-node={self.world}" if self.world > 1 else ""
+        return f"{' '.join(self.overrides)}{gpus} ({gib(self.peak)})"
+
+
+# A micro-batch of at least this many tokens keeps the GEMMs long enough that splitting the batch
+# further costs little: the same FLOPs, only more (and shorter) launches per step.
+LONG_MICRO_BATCH_TOKENS = 4096
+
+
+def _knob_cost(key: str, value, t: TrainerConfig) -> float:
+    """The order in which changes are offered, cheapest first: a smaller micro-batch of long
+    sequences computes the same FLOPs; checkpointing recomputes forwards (the forward is about a
+    third of a step: selective recomputes half the blocks, full all); a short micro-batch we rank
+    with full checkpointing; FSDP where the run had DDP moves the same bytes differently."""
+    if key == "trainer.micro_batch_size":  # and a little per halving: of two that fit, the larger micro-batch
+        return (value * t.seq_len < LONG_MICRO_BATCH_TOKENS) / 3 + 0.01 * math.log2(t.micro_batch_size / value)
+    if key == "trainer.activation_checkpointing":
+        return {"selective": 1 / 6, "full": 1 / 3}[value]
+    return 1 / 6  # trainer.strategy=fsdp
+
+
+def _candidates(t: TrainerConfig, world: int, more_gpus: bool) -> list[tuple[dict, int]]:
+    """({key: value}, world size) of the settings the search tries: smaller micro-batches (halvings
+    that keep batch_size divisible), more activation checkpointing, each alone and combined, then
+    FSDP on 2, 4 and 8 times the GPUs (and FSDP on these GPUs where the run has DDP)."""
+    order = list(ActivationCheckpointing)
+    acs = [None] + [a.value for a in order[order.index(t.activation_checkpointing) + 1:]]
+    micros = [None] + sorted({t.micro_batch_size // 2 ** k for k in range(1, t.micro_batch_size.bit_length())
+                              if t.micro_batch_size % 2 ** k == 0} | ({1} if t.micro_batch_size > 1 else set()),
+                             reverse=True)
+    knobs = [{k: v for k, v in (("trainer.micro_batch_size", m), ("trainer.activation_checkpointing", a))
+              if v is not None} for m in micros for a in acs]
+    out = [(k, world) for k in knobs if k]
+    worlds = ([world] if world > 1 and t.strategy != Strategy.fsdp else []) + \
+        ([w * world for w in (2, 4, 8)] if more_gpus else [])
+    for w in worlds:
+        out += [({"trainer.strategy": "fsdp", **k}, w) for k in knobs if "trainer.micro_batch_size" not in k]
+    return out
+
+
+def fitting_changes(cfg: Config, vocab: int, world: int, bf16: bool, limit: int, more_gpus: bool) -> list[Change]:
+    """The changes of _candidates whose peak (estimate, over the run's phases) is at most `limit`
+    bytes, cheapest first: those on the same GPUs before those that need more, then fewer knobs,
+    then the smaller _knob_cost, then the lower peak. A change that includes a fitting one with
+    fewer knobs is left out (it only costs more)."""
+    t, fits = cfg.trainer, []
+    for knobs, w in _candidates(t, world, more_gpus):
+        values = {"trainer.micro_batch_size": t.micro_batch_size, "trainer.strategy": t.strategy.value,
+                  "trainer.activation_checkpointing": t.activation_checkpointing.value, **knobs}
+        if t.batch_size % (values["trainer.micro_batch_size"] * w):
+            continue
+        tc = replace(t, micro_batch_size=values["trainer.micro_batch_size"], strategy=Strategy(values["trainer.strategy"]),
+                     activation_checkpointing=ActivationCheckpointing(values["trainer.activation_checkpointing"]))
+        peak, _ = run_peak(cfg, vocab, tc, w, bf16)
+        if peak <= limit:
+            cost = sum(_knob_cost(k, v, t) for k, v in knobs.items())
+            fits.append(Change(tuple(f"{k}={v}" for k, v in knobs.items()), w, cost, peak))
+    fits.sort(key=lambda c: (c.world > world, c.world, len(c.overrides), c.cost, c.peak))
+    return [c for c in fits if not any(set(o.overrides) < set(c.overrides) and o.world <= c.world for o in fits)]
+
+
+def resident_bytes(cfg: Config, vocab: int, t: TrainerConfig, world: int) -> int:
+    """Parameters, gradients and AdamW's state per GPU: what no micro-batch or checkpointing lowers."""
+    e = estimate(cfg.model, cfg.ffn, vocab, t, world)
+    return sum(e.parts[k] for k in ("parameters (fp32)", "optimizer state (AdamW, fp32)", "gradients (fp32)"))
+
+
+def dry_run_rows(cfg: Config, vocab: int, bf16: Optional[bool] = None) -> list[tuple[str, str]]:
     """The dry run's memory rows: peak per GPU with its breakdown (srelu24: its dense warmup and its
-    2:4 phase), and one checkpoint's bytes."""
+    2:4 phase), one checkpoint's bytes and the free disk its checkpoints need."""
     t = cfg.trainer
     world = world_size_of_launch(t)
     phases = [("", None)]
@@ -167,11 +275,14 @@ def dry_run_rows(cfg: Config, vocab: int) -> list[tuple[str, str]]:
              f"{t.activation_checkpointing.value}, micro-batch {t.micro_batch_size} x {t.seq_len}")
     rows, first = [("memory per GPU, estimated for", setup)], None
     for name, sparse in phases:
-        e = estimate(cfg.model, cfg.ffn, vocab, t, world, sparse_2to4=sparse)
+        e = estimate(cfg.model, cfg.ffn, vocab, t, world, sparse_2to4=sparse, bf16=bf16)
         rows.append((f"  peak{name}", f"{e.peak / GiB:.1f} GiB (at the {e.peak_phase})"))
         # a second phase: only what differs from the first
         rows += [(f"    {k}", f"{v / GiB:.2f} GiB") for k, v in e.parts.items() if first is None or first.get(k) != v]
         first = first or e.parts
     size = checkpoint_bytes(_meta_model(cfg.model, cfg.ffn, vocab), "adamw", world)  # the one definition
+    disk = space_needed(size, saves_ahead(0, total_steps(t), t.ckpt_every, t.stop_at_step), 0, t.keep_last)
     rows.append(("checkpoint size (weights + AdamW)", f"{size / 1e9:.3g} GB"))
+    copies = "every save" if t.keep_last == 0 else f"trainer.keep_last={t.keep_last} plus the one being written"
+    rows.append(("disk for checkpoints", f"{disk / 1e9:.3g} GB free ({copies})"))
     return rows
