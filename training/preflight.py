@@ -58,8 +58,8 @@ def dry_run_capacity(cfg: Config) -> tuple[Capacity, bool]:
         bf16 = use_bf16(t.precision, torch.device("cuda"))
         if t.memory_capacity_gib is not None:
             return device_capacity(torch.device("cuda"), t.memory_capacity_gib), bf16
-        return Capacity(int(H200_FREE_GIB * GiB), f"of one H200 (no GPU here; trainer.memory_capacity_gib=N "
-                                                  f"sets another)", True), bf16
+        return Capacity(int(H200_FREE_GIB * GiB), "of one H200 (no GPU here; trainer.memory_capacity_gib=N "
+                                                  "sets another)", True), bf16
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device_capacity(device, t.memory_capacity_gib), use_bf16(t.precision, device)
