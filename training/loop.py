@@ -1,5 +1,7 @@
-"""The training loop: set up, resume, then per step `training.step.train_step` (the one
-definition of a step) -> log / eval / checkpoint."""
+"""The training loop, in phases: the pre-flight (training/preflight.py), set up (data, model,
+optimizer, loaders), resume, the outputs (checkpointer, files, logs), the loop (per step
+`training.step.train_step`, the one definition of a step, then log / eval / checkpoint) and the
+teardown (summary, closing)."""
 import json
 import logging
 import math
@@ -7,8 +9,9 @@ import shutil
 import signal
 import statistics
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -56,7 +59,8 @@ def train(dcfg: DictConfig, run_dir: Path, run_name: str) -> dict:
 
 
 def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist) -> dict:
-    t, device = cfg.trainer, d.device
+    """The phases of a run: the pre-flight, set up, resume, the outputs, the loop, teardown."""
+    t = cfg.trainer
     if t.num_threads > 0:
         torch.set_num_threads(t.num_threads)
     check_memory(cfg, d)  # before anything large is allocated: a run that cannot fit ends here
@@ -67,13 +71,53 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     if resumed is not None and resumed[1]["step"] >= steps:  # other settings are refused as in any resume
         check_resume(resumed[0], resumed[1].get("config"), resolved, t.resume_overrides)
         return complete_run(resumed[0], resumed[1]["step"], steps, tokens_per_step, d)
+    run = set_up(cfg, d, run_dir, resolved)
+    if resumed is not None:
+        resume(run, *resumed)
+    start_outputs(run, run_name)
+    return teardown(run, run_loop(run))
 
-    # rank 0 prepares missing shards (hours, for a large corpus) while the others wait without a
-    # timeout; any failure there reaches every rank, then every rank finds the shards cached
+
+@dataclass
+class Run:
+    """What the phases of one run share: made by set_up, completed by start_outputs."""
+    cfg: Config
+    d: Dist
+    run_dir: Path
+    resolved: dict          # the config as a checkpoint saves it
+    shard_dir: Path
+    manifest: object        # the token shards' (data.shards)
+    vocab_size: int
+    model: torch.nn.Module
+    train_module: torch.nn.Module  # what a step calls: DDP's wrapper, or the model
+    optimizer: torch.optim.Optimizer
+    size: object            # model.model_size: parameters and FLOPs per token
+    loader: TokenLoader
+    val_batches: list
+    state: TrainState
+    ckpt: Optional[Checkpointer] = None
+    logger: Optional[RunLogger] = None
+
+    @property
+    def steps(self) -> int:
+        return total_steps(self.cfg.trainer)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.trainer.batch_size * self.cfg.trainer.seq_len
+
+    @property
+    def accum(self) -> int:
+        return self.cfg.trainer.batch_size // (self.cfg.trainer.micro_batch_size * self.d.world_size)
+
+
+def prepare_data(cfg: Config, d: Dist):
+    """The token shards: rank 0 prepares missing ones (hours, for a large corpus) while the others
+    wait without a timeout; any failure there reaches every rank, then every rank finds them cached."""
     err = None
     if d.is_main:
         try:
-            prepare(cfg.data, REPO_ROOT, progress=t.progress)
+            prepare(cfg.data, REPO_ROOT, progress=cfg.trainer.progress)
         except DataError as e:
             err = str(e)
         except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here as it was
@@ -82,7 +126,13 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
     err = broadcast_object(err, d, slow=True)
     if err:
         raise DataError(err)
-    shard_dir, manifest = prepare(cfg.data, REPO_ROOT, progress=False)
+    return prepare(cfg.data, REPO_ROOT, progress=False)
+
+
+def set_up(cfg: Config, d: Dist, run_dir: Path, resolved: dict) -> Run:
+    """The data, the model (training.distributed.build_model), its optimizer and the loaders."""
+    t, device = cfg.trainer, d.device
+    shard_dir, manifest = prepare_data(cfg, d)
     vocab_size = resolve_vocab_size(cfg.model, manifest.vocab_size)
     bf16 = use_bf16(t.precision, device)
     fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"  # FSDP's mixed precision, not autocast
@@ -91,162 +141,211 @@ def _train(cfg: Config, dcfg: DictConfig, run_dir: Path, run_name: str, d: Dist)
                                       t.seed, fsdp_bf16)
     size = model_size(model, t.seq_len)
     optimizer = build_optimizer(model, cfg.optim, device)
-    accum = t.batch_size // (t.micro_batch_size * d.world_size)
     loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed, d.rank, d.world_size)
     val_batches = TokenLoader(shard_dir, manifest, "val", t.seq_len, t.micro_batch_size, t.seed).fixed_batches(t.eval_batches)
+    return Run(cfg, d, run_dir, resolved, shard_dir, manifest, vocab_size, model, train_module, optimizer, size,
+               loader, val_batches, TrainState(loader=loader))
 
-    state = TrainState(loader=loader)
-    if resumed is not None:
-        path, saved = resumed
-        check_model_shape(path, saved, model)
-        changes = check_resume(path, saved.get("config"), resolved, t.resume_overrides)
-        check_same_data(path, saved, manifest)
-        load_into(path, model, optimizer)
-        mine = load_rank_state(path, d.rank, d.world_size)
-        loader.load_state_dict(mine["loader"])
-        set_rng_state(mine["rng"])
-        state.step, state.elapsed_s = saved["step"], saved.get("elapsed_s", 0.0)
-        state.skipped_steps, state.tokens = saved.get("skipped_steps", 0), saved["step"] * tokens_per_step
-        if saved.get("world_size") != d.world_size and d.is_main:
-            log.info(f"note: {path} was written by {saved.get('world_size')} process(es), this run has {d.world_size}: "
-                  "weights and optimizer state are resharded, the data continues at the same sample; the "
-                  "result is not bitwise what the original world size would give")
-        if d.is_main:
-            log.info(f"resumed from {path} at step {state.step}" +
-                     "".join(f"; {c} (trainer.resume_overrides)" for c in changes))
-    ckpt = Checkpointer.for_run(run_dir, t, device)
+
+def resume(run: Run, path: Path, saved: dict) -> None:
+    """Check the checkpoint against this run (model shape, guarded settings, data), then load the
+    model, optimizer, this rank's loader and RNG state, and the counters."""
+    d, t, state = run.d, run.cfg.trainer, run.state
+    check_model_shape(path, saved, run.model)
+    changes = check_resume(path, saved.get("config"), run.resolved, t.resume_overrides)
+    check_same_data(path, saved, run.manifest)
+    load_into(path, run.model, run.optimizer)
+    mine = load_rank_state(path, d.rank, d.world_size)
+    run.loader.load_state_dict(mine["loader"])
+    set_rng_state(mine["rng"])
+    state.step, state.elapsed_s = saved["step"], saved.get("elapsed_s", 0.0)
+    state.skipped_steps, state.tokens = saved.get("skipped_steps", 0), saved["step"] * run.tokens_per_step
+    if saved.get("world_size") != d.world_size and d.is_main:
+        log.info(f"note: {path} was written by {saved.get('world_size')} process(es), this run has {d.world_size}: "
+                 "weights and optimizer state are resharded, the data continues at the same sample; the "
+                 "result is not bitwise what the original world size would give")
+    if d.is_main:
+        log.info(f"resumed from {path} at step {state.step}" +
+                 "".join(f"; {c} (trainer.resume_overrides)" for c in changes))
+
+
+def start_outputs(run: Run, run_name: str) -> None:
+    """The checkpointer (and its disk space check), config_resolved.yaml, run_info.json, the
+    metrics logger and the start-up line."""
+    cfg, d, t, run_dir = run.cfg, run.d, run.cfg.trainer, run.run_dir
+    run.ckpt = Checkpointer.for_run(run_dir, t, d.device)
     if t.check_space:
-        ckpt.check_space(model, state.step, steps, t.ckpt_every, t.stop_at_step)
-
-    info = {"vocab_size": vocab_size, "ffn_hidden": ffn_hidden_dim(cfg.model, cfg.ffn), "total_steps": steps,
-            "grad_accum": accum, "tokens_per_step": tokens_per_step, "device": str(device),
+        run.ckpt.check_space(run.model, run.state.step, run.steps, t.ckpt_every, t.stop_at_step)
+    info = {"vocab_size": run.vocab_size, "ffn_hidden": ffn_hidden_dim(cfg.model, cfg.ffn), "total_steps": run.steps,
+            "grad_accum": run.accum, "tokens_per_step": run.tokens_per_step, "device": str(d.device),
             "strategy": t.strategy.value, "world_size": d.world_size,
-            "params": asdict(size), "flops_per_token": size.flops_per_token, "mfu_peak": peak_info(device),
-            "shard_dir": str(shard_dir),
+            "params": asdict(run.size), "flops_per_token": run.size.flops_per_token, "mfu_peak": peak_info(d.device),
+            "shard_dir": str(run.shard_dir),
             "environment": environment()}
-    err, logger = None, None
+    err = None
     try:  # rank 0 writes files and starts wandb; a failure there must stop every rank, not strand them
         if d.is_main:
-            (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
+            (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(run.resolved))
             (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-        logger = RunLogger(run_dir, cfg.logging.wandb, name=run_name, group=cfg.name, job_type=cfg.ffn.kind,
-                           config={**resolved, "run_info": info}, resumed=state.step > 0, rank=d.rank)
+        run.logger = RunLogger(run_dir, cfg.logging.wandb, name=run_name, group=cfg.name, job_type=cfg.ffn.kind,
+                               config={**run.resolved, "run_info": info}, resumed=run.state.step > 0, rank=d.rank)
     except Exception as e:  # noqa: BLE001 - shared below, then raised on every rank
         err = f"could not start the run's logs in {run_dir}: {type(e).__name__}: {e}"
     err = broadcast_object(err, d)  # rank 0's (only rank 0 writes or logs)
     if err:
-        if logger is not None:
-            logger.close()
+        if run.logger is not None:
+            run.logger.close()
         raise TrainingError(err)
     if d.is_main:
-        log.info(startup_summary(run_dir, cfg, info, state.step))
+        log.info(startup_summary(run_dir, cfg, info, run.state.step))
 
-    is_sparse = cfg.ffn.kind == "srelu24"
-    parts = StepParts(model=model, train_module=train_module, optimizer=optimizer, dist=d, accum=accum,
-                      tokens_per_step=tokens_per_step, lr_at=lambda step: lr_at(step, steps, cfg.optim),
-                      grad_clip=cfg.optim.grad_clip, sparse_from=cfg.ffn.dense_warmup_steps if is_sparse else None,
-                      autocast=autocast_for(t.precision, t.strategy, device), nonfinite=t.nonfinite)
 
-    def next_batch():
-        x, y = loader.next_batch()  # this rank's part of the global batch
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+@dataclass
+class Progress:
+    """What the loop hands to the teardown."""
+    stop: "StopSignal"
+    train_loss: float = math.nan
+    val_loss: float = math.nan
+    speeds: list = field(default_factory=list)   # tokens/s of each logged interval
+    last_row: dict = field(default_factory=dict)  # the last logged row with a speed
 
-    def checkpoint(done: int) -> None:
-        state.settle_skipped()  # the exact count into the checkpoint
-        bad = [n for n, p in model.named_parameters() if not torch.isfinite(local(p)).all()]
-        if agree([bool(bad)], d)[0]:  # never write a broken model over good checkpoints
-            where = f"{bad[0]}, {len(bad)} tensor(s)" if bad else "on another rank"
-            raise TrainingError(f"step {done}: refusing to checkpoint a model with non-finite weights ({where}); "
-                                f"the checkpoints in {run_dir / 'checkpoints'} are intact")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        ckpt.save(done, state={
-            "model": model_sd, "optimizer": optim_sd, "rank": {"loader": state.loader.state_dict(), "rng": rng_state()},
-            "model_shape": model_shape(model), "config": resolved, "strategy": t.strategy.value,
-            "elapsed_s": meter.elapsed(), "skipped_steps": state.skipped_steps,
-            "data": {"tokenizer_sha256": manifest.tokenizer_sha256, "vocab_size": manifest.vocab_size,
-                     "eot_id": manifest.eot_id}})
 
-    def evaluate() -> float:
-        model.eval()  # every rank runs the same fixed batches (FSDP needs all ranks in each forward)
-        with torch.no_grad(), parts.autocast():
-            losses = [model(x.to(device), y.to(device)) for x, y in val_batches]
-        model.train()
-        return torch.stack(losses).mean().item()
-
+def run_loop(run: Run) -> Progress:
+    """Steps until the last one, trainer.stop_at_step or a signal (SIGTERM / SIGUSR1 / SIGUSR2:
+    preemption; a checkpoint at the next step boundary, exit 0). On any error the save in flight
+    completes and the logs are closed; signal handlers and the clock sampler are restored always."""
+    cfg, d, t, state, device = run.cfg, run.d, run.cfg.trainer, run.state, run.d.device
+    parts = step_parts(run)
     clocks = ClockSampler(device, interval_ms=500).start() if cfg.logging.gpu_clocks and device.type == "cuda" else None
-    meter = Throughput(device, size.flops_per_token, tokens_per_step, d.world_size, elapsed_offset=state.elapsed_s,
-                       clocks=clocks)
-    val_loss = train_loss = float("nan")
-    speeds, last_row = [], {}
-    stop = StopSignal()  # SIGTERM / SIGUSR1 / SIGUSR2 (preemption): checkpoint at the next step boundary, exit 0
+    meter = Throughput(device, run.size.flops_per_token, run.tokens_per_step, d.world_size,
+                       elapsed_offset=state.elapsed_s, clocks=clocks)
+    progress = Progress(stop=StopSignal())
     try:
-        bar = tqdm(total=steps, initial=state.step, disable=not (t.progress and d.is_main),
+        bar = tqdm(total=run.steps, initial=state.step, disable=not (t.progress and d.is_main),
                    desc=f"{cfg.name}/{cfg.ffn.kind}", unit="step", dynamic_ncols=True)
-        while state.step < steps:
-            done = state.step + 1
-            log_now = done % t.log_every == 0 or done == steps
-            out = train_step(parts, state, next_batch, log=log_now, stop_requested=lambda: stop.requested is not None)
-            if ckpt.wants_prepare:  # the optimizer has its state now: background saves' host copy, allocated meanwhile
-                ckpt.prepare(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))))
-            stop_now = out.stop
-            meter.data_time(out.data_s)
-            meter.step()
-            bar.update(1)
-
-            row = {}
-            if log_now:  # the step read back the loss and statistics of all ranks
-                train_loss = out.loss
-                row.update(loss=train_loss, lr=out.lr, grad_norm=out.grad_norm, **meter.read(),
-                           mode_2to4=int(out.sparse_on), skipped_steps=state.skipped_steps)
-                row["layers"] = derive(out.stats, is_sparse)
-                row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
-                bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-            if done % t.eval_every == 0 or done == steps:
-                meter.pause()
-                val_loss = row["val_loss"] = evaluate()
-                if d.is_main:
-                    log.info(f"step {done}: val_loss {val_loss:.4f}")
-                meter.resume()
-            if row:
-                logger.log({"step": done, "tokens": state.tokens, **row})
-                if "tokens_per_s" in row:
-                    speeds.append(row["tokens_per_s"])
-                    last_row = row
-            if done % t.ckpt_every == 0 or done == steps or done == t.stop_at_step or stop_now:
-                meter.pause()
-                checkpoint(done)
-                meter.resume()
-            if done == t.stop_at_step or stop_now:
+        while state.step < run.steps:
+            done, signalled = one_step(run, parts, meter, bar, progress)
+            if done == t.stop_at_step or signalled:
                 bar.close()
-                why = f"signal {stop.requested or 'on another rank'}" if stop_now else "trainer.stop_at_step"
+                why = f"signal {progress.stop.requested or 'on another rank'}" if signalled else "trainer.stop_at_step"
                 if d.is_main:
                     log.info(f"stopped at step {done} ({why}), checkpoint saved; continue (or requeue) with the same "
-                          f"command plus trainer.resume=auto hydra.run.dir={run_dir}")
+                             f"command plus trainer.resume=auto hydra.run.dir={run.run_dir}")
                 break
         bar.close()
         state.settle_skipped()  # steps skipped on the device since the last logged step, warned
     except BaseException:
-        ckpt.close(raise_errors=False)  # a save in flight completes (or is logged as failed)
-        logger.close()  # metrics.jsonl closed and the wandb run finished, even on errors
+        run.ckpt.close(raise_errors=False)  # a save in flight completes (or is logged as failed)
+        run.logger.close()  # metrics.jsonl closed and the wandb run finished, even on errors
         raise
     finally:  # also on errors: leave the process as it was
-        stop.restore()
+        progress.stop.restore()
         if clocks is not None:
             clocks.stop()
-    summary = {"final_train_loss": train_loss, "final_val_loss": val_loss, "steps": steps,
-               "tokens": steps * tokens_per_step, "ln_vocab": math.log(vocab_size),
-               "params_total": size.total, "params_non_embedding": size.non_embedding}
-    if speeds:
-        summary["tokens_per_s_median"] = statistics.median(speeds[1:] or speeds)  # the first interval warms up
+    return progress
+
+
+def step_parts(run: Run) -> StepParts:
+    """What every step of this run needs (training/step.py)."""
+    cfg, t, steps = run.cfg, run.cfg.trainer, run.steps
+    return StepParts(model=run.model, train_module=run.train_module, optimizer=run.optimizer, dist=run.d,
+                     accum=run.accum, tokens_per_step=run.tokens_per_step,
+                     lr_at=lambda step: lr_at(step, steps, cfg.optim), grad_clip=cfg.optim.grad_clip,
+                     sparse_from=cfg.ffn.dense_warmup_steps if cfg.ffn.kind == "srelu24" else None,
+                     autocast=autocast_for(t.precision, t.strategy, run.d.device), nonfinite=t.nonfinite)
+
+
+def one_step(run: Run, parts: StepParts, meter: Throughput, bar, progress: Progress) -> tuple[int, bool]:
+    """One optimizer step, then its log row, evaluation and checkpoint as due. Returns the step
+    and whether a signal asks to stop (on any rank)."""
+    cfg, t, state, device = run.cfg, run.cfg.trainer, run.state, run.d.device
+    done = state.step + 1
+    log_now = done % t.log_every == 0 or done == run.steps
+
+    def next_batch():
+        x, y = run.loader.next_batch()  # this rank's part of the global batch
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    out = train_step(parts, state, next_batch, log=log_now, stop_requested=lambda: progress.stop.requested is not None)
+    if run.ckpt.wants_prepare:  # the optimizer has its state now: background saves' host copy, allocated meanwhile
+        run.ckpt.prepare(dict(zip(("model", "optimizer"), get_state_dict(run.model, run.optimizer))))
+    meter.data_time(out.data_s)
+    meter.step()
+    bar.update(1)
+    row = {}
+    if log_now:  # the step read back the loss and statistics of all ranks
+        progress.train_loss = out.loss
+        row.update(loss=out.loss, lr=out.lr, grad_norm=out.grad_norm, **meter.read(),
+                   mode_2to4=int(out.sparse_on), skipped_steps=state.skipped_steps)
+        row["layers"] = derive(out.stats, cfg.ffn.kind == "srelu24")
+        row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
+        bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+    if done % t.eval_every == 0 or done == run.steps:
+        meter.pause()
+        progress.val_loss = row["val_loss"] = evaluate(run, parts)
+        if run.d.is_main:
+            log.info(f"step {done}: val_loss {progress.val_loss:.4f}")
+        meter.resume()
+    if row:
+        run.logger.log({"step": done, "tokens": state.tokens, **row})
+        if "tokens_per_s" in row:
+            progress.speeds.append(row["tokens_per_s"])
+            progress.last_row = row
+    if done % t.ckpt_every == 0 or done == run.steps or done == t.stop_at_step or out.stop:
+        meter.pause()
+        save(run, done, meter)
+        meter.resume()
+    return done, out.stop
+
+
+def evaluate(run: Run, parts: StepParts) -> float:
+    """The mean loss over the fixed validation batches; every rank runs the same batches (FSDP
+    needs all ranks in each forward)."""
+    model, device = run.model, run.d.device
+    model.eval()
+    with torch.no_grad(), parts.autocast():
+        losses = [model(x.to(device), y.to(device)) for x, y in run.val_batches]
+    model.train()
+    return torch.stack(losses).mean().item()
+
+
+def save(run: Run, done: int, meter: Throughput) -> None:
+    """Checkpoint step `done`: never from non-finite weights (checked on every rank), so a broken
+    model is not written over good checkpoints."""
+    model, state = run.model, run.state
+    state.settle_skipped()  # the exact count into the checkpoint
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(local(p)).all()]
+    if agree([bool(bad)], run.d)[0]:
+        where = f"{bad[0]}, {len(bad)} tensor(s)" if bad else "on another rank"
+        raise TrainingError(f"step {done}: refusing to checkpoint a model with non-finite weights ({where}); "
+                            f"the checkpoints in {run.run_dir / 'checkpoints'} are intact")
+    model_sd, optim_sd = get_state_dict(model, run.optimizer)
+    manifest = run.manifest
+    run.ckpt.save(done, state={
+        "model": model_sd, "optimizer": optim_sd, "rank": {"loader": state.loader.state_dict(), "rng": rng_state()},
+        "model_shape": model_shape(model), "config": run.resolved, "strategy": run.cfg.trainer.strategy.value,
+        "elapsed_s": meter.elapsed(), "skipped_steps": state.skipped_steps,
+        "data": {"tokenizer_sha256": manifest.tokenizer_sha256, "vocab_size": manifest.vocab_size,
+                 "eot_id": manifest.eot_id}})
+
+
+def teardown(run: Run, progress: Progress) -> dict:
+    """The summary (wandb's and the last line), once the last save is complete; then the signal
+    that stopped the run goes on to the handler it replaced."""
+    summary = {"final_train_loss": progress.train_loss, "final_val_loss": progress.val_loss, "steps": run.steps,
+               "tokens": run.steps * run.tokens_per_step, "ln_vocab": math.log(run.vocab_size),
+               "params_total": run.size.total, "params_non_embedding": run.size.non_embedding}
+    if progress.speeds:
+        summary["tokens_per_s_median"] = statistics.median(progress.speeds[1:] or progress.speeds)  # the first interval warms up
     for key in ("mfu", "mem_allocated_gib", "act_sparsity_mean"):
-        if key in last_row:
-            summary[f"final_{key}"] = last_row[key]
-    ckpt.close()  # the last save is complete before the run reports its end
-    logger.summary(summary)
-    logger.close()
-    if d.is_main:
-        log.info(end_summary(run_dir, summary))
-    stop.forward()
+        if key in progress.last_row:
+            summary[f"final_{key}"] = progress.last_row[key]
+    run.ckpt.close()  # the last save is complete before the run reports its end
+    run.logger.summary(summary)
+    run.logger.close()
+    if run.d.is_main:
+        log.info(end_summary(run.run_dir, summary))
+    progress.stop.forward()
     return summary
 
 
