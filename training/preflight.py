@@ -48,7 +48,7 @@ def device_capacity(device: torch.device, configured_gib: Optional[float]) -> Op
     return None if available is None else Capacity(available // procs, f"of available RAM{share}", False)
 
 
-def dry_run_capacity(cfg: Config) -> tuple[Capacity, bool]:
+def dry_run_capacity(cfg: Config) -> tuple[Optional[Capacity], bool]:
     """The capacity and precision a dry run judges: trainer.device=cpu, the host; a GPU here, its
     free memory; else one H200 (the estimate is of a GPU run)."""
     t = cfg.trainer
@@ -143,8 +143,10 @@ def check_memory(cfg: Config, d) -> None:
         log.warning(verdict.warning(cfg))
 
 
-def dry_run_rows(cfg: Config, vocab: int, capacity: Capacity, bf16: bool, world: int) -> list[tuple[str, str]]:
+def dry_run_rows(cfg: Config, vocab: int, capacity: Optional[Capacity], bf16: bool, world: int) -> list[tuple[str, str]]:
     """The dry run's verdict: the capacity, whether the peak fits it, and the settings that would."""
+    if capacity is None:
+        return [("memory capacity", "unknown: the host does not say (trainer.memory_capacity_gib=N sets one)")]
     v = judge(cfg, vocab, capacity, world, bf16)
     verdict = "no" if not v.fits else f"yes, within {MARGIN:.0%} (close to the limit)" if v.close else "yes"
     rows = [("memory capacity", f"{gib(capacity.bytes)} {capacity.what}"),
