@@ -2,12 +2,12 @@
 step-time breakdown (data, forward, backward, optimizer), on one device or under torchrun.
 
     python scripts/bench_step.py +experiment=swiglu_1b                  # on a GPU
-    python scripts/bench_step.py +experiment=srelu24_1b --ffn-sweep      # swiglu, srelu, srelu24 in one run
-    python scripts/bench_step.py +experiment=srelu24_7b --layers 8       # 7B shapes, layers cut to fit one GPU
+    python scripts/bench_step.py +experiment=sparse_1b --ffn-sweep      # swiglu, srelu, srelu24 in one run
+    python scripts/bench_step.py +experiment=sparse_7b --layers 8       # 7B shapes, layers cut to fit one GPU
     python scripts/bench_step.py +experiment=swiglu_7b --layers 8 --ffns swiglu,srelu,srelu24 \
         --precisions none,tensorwise,rowwise                               # 9 rows: every (precision, ffn)
     python scripts/bench_step.py --merge a.json b.json --out merged.md   # records of several commands, one table
-    torchrun --nproc-per-node=2 scripts/bench_step.py +experiment=srelu24_1b trainer.strategy=fsdp --ffn-sweep
+    torchrun --nproc-per-node=2 scripts/bench_step.py +experiment=sparse_1b trainer.strategy=fsdp --ffn-sweep
 
 The model is built exactly as the trainer builds it (training/distributed.py: meta device,
 activation checkpointing, torch.compile per block, FSDP2 / DDP, bf16 as the trainer uses it).
@@ -553,7 +553,7 @@ def main(argv=None) -> int:
                     help="--merge: merge records of different shapes (a shape column is added)")
     ap.add_argument("--replot", type=Path, metavar="JSON",
                     help="only redraw the kernel-category figure of a saved --profile result, next to it")
-    ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=srelu24_1b")
+    ap.add_argument("override", nargs="*", help="Hydra overrides, e.g. +experiment=sparse_1b")
     args = ap.parse_intermixed_args(argv)  # Hydra overrides may come before or after the flags
     if args.merge:
         return merge_main(args)

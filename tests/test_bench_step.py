@@ -58,7 +58,7 @@ def test_bench_ffn_replots_a_saved_breakdown_without_a_gpu(tmp_path):
     import shutil
 
     saved = tmp_path / "bench_ffn.json"
-    shutil.copy(ROOT / "benchmarks" / "results" / "bench_ffn_final.json", saved)
+    shutil.copy(ROOT / "benchmarks" / "results" / "ffn_breakdown_7b_1b.json", saved)
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ffn.py"), "--replot", str(saved)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

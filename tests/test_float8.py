@@ -526,7 +526,7 @@ def test_compiled_float8_training_on_cuda_follows_bf16(kind, recipe):
     than 2% above bf16's, nor 5% below). srelu24 in its 2:4 phase. The late bounds are lopsided:
     20 steps of memorising random tokens amplify any rounding difference, and the float8 curve
     lands on either side of bf16's by seed (srelu24 tensorwise: -2.65%, -1.02%, +1.08% for seeds
-    8-10, on the H200; lab/probe_float8_loss_seeds.py), while a broken float8 path trains worse.
+    8-10, on the H200; lab/LOG.md), while a broken float8 path trains worse.
     Wrong gradients show at the first step, where no trajectory hides them:
     test_float8_first_step_gradients_on_cuda."""
     from training.optim import build_optimizer

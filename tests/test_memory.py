@@ -22,12 +22,12 @@ TRAIN_7B_FSDP = TrainerConfig(seq_len=4096, batch_size=1024, micro_batch_size=2,
                               activation_checkpointing=ActivationCheckpointing.full)
 
 MEASURED = [  # (model, ffn, trainer, srelu24's 2:4 phase, GiB measured)
-    (replace(M1B, n_layers=16), "srelu", BENCH_1B, None, 31.00),      # benchmarks/results/bench_step_1b_final_s7.json
+    (replace(M1B, n_layers=16), "srelu", BENCH_1B, None, 31.00),      # benchmarks/results/memory_1b16_bf16.json
     (replace(M1B, n_layers=16), "srelu24", BENCH_1B, True, 25.09),
-    (replace(M1B, n_layers=16), "swiglu", BENCH_1B, None, 30.99),     # bench_step_1b_sweep_s6.json
-    (replace(M7B, n_layers=8), "srelu", BENCH_7B, None, 33.91),       # bench_step_7b_final_s7.json
+    (replace(M1B, n_layers=16), "swiglu", BENCH_1B, None, 30.99),     # at commit d592200: bench_step_1b_sweep_s6.json
+    (replace(M7B, n_layers=8), "srelu", BENCH_7B, None, 33.91),       # memory_7b8_bf16.json
     (replace(M7B, n_layers=8), "srelu24", BENCH_7B, True, 31.68),
-    (replace(M7B, n_layers=8), "swiglu", BENCH_7B, None, 33.90),      # bench_step_7b_sweep_s6.json
+    (replace(M7B, n_layers=8), "swiglu", BENCH_7B, None, 33.90),      # at commit d592200: bench_step_7b_sweep_s6.json
     (M1B, "srelu24", TRAIN_1B, False, 43.6),                          # the trainer, sparse_1b: dense warmup
     (M1B, "srelu24", TRAIN_1B, True, 36.2),                           # and 2:4
     (M7B, "srelu", TRAIN_7B_FSDP, None, 106.6),                       # full 7B, FSDP + full AC, one GPU

@@ -98,7 +98,7 @@ def convert(model: nn.Module, recipe: Float8, fsdp: bool) -> None:
         torch._inductor.config.emulate_precision_casts = True
         # rowwise casts X, W and dY along both axes and writes half of the casts transposed; N-D
         # tiling tiles those copies well (same bits, a faster step). bf16's step and
-        # tensorwise's casts (lab/probe_float8_casts.py) gained nothing from it, so only here.
+        # tensorwise's casts gained nothing from it (lab/LOG.md), so only here.
         torch._inductor.config.triton.prefer_nd_tiling = True
     theirs = {f"{name}.{w}" for name in srelu24 for w in ("w1", "w2")}
     gather = fsdp and recipe == Float8.tensorwise

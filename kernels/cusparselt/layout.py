@@ -10,7 +10,7 @@ and verified byte-for-byte against `torch._cslt_compress` (docs/METHOD.md, cuSPA
 
 M must be a multiple of 64 (pad tokens) and K a multiple of 32.
 
-e4m3 (float8_e4m3fn) matrices, worked out the same way (lab/probe_cslt_fp8_layout.py, and
+e4m3 (float8_e4m3fn) matrices, worked out the same way (a probe named in lab/LOG.md, and
 tests/test_cslt_layout_e4m3.py against buffers of torch._cslt_compress): the values are the same
 [M, K/2] row-major stream, one byte each; the metadata follows as bytes, the same nibbles (low
 nibble first), but each 64-row x 64-column tile owns 1024 consecutive nibbles, in another order

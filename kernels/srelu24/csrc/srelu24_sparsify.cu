@@ -39,7 +39,7 @@ constexpr int kThreads = 128;
 #ifndef SRELU24_BW_MIN_BLOCKS
 // blocks per SM the backward kernel's register budget must allow: 8 (64 registers; with nvcc 13.0 no
 // spill on sm90, 16 bytes on sm80) was the fastest of 8, 6, 5 and 1 at 7B on the H200
-// (lab/probe_cuda_kernels.py; benchmarks/RESULTS.md)
+// (lab/LOG.md; benchmarks/RESULTS.md)
 #define SRELU24_BW_MIN_BLOCKS 8
 #endif
 
