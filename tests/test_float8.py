@@ -73,7 +73,7 @@ def test_every_block_linear_converts_and_the_output_head_stays_bf16(kind, recipe
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_rowwise_sets_inductors_cast_settings_and_tensorwise_leaves_them(recipe):
     """rowwise: eager's rounding in compiled casts and N-D tiling for their transposed copies
-    (benchmarks/RESULTS.md); tensorwise gained nothing from the tiling and keeps the defaults."""
+    (lab/LOG.md); tensorwise gained nothing from the tiling and keeps the defaults."""
     import torch._inductor.config as ic
 
     with ic.patch({"emulate_precision_casts": False, "triton.prefer_nd_tiling": False}):
