@@ -178,10 +178,8 @@ class SReLU24(SReLU):
         if self.sparse:
             stats = self.stats if self.collect_stats else None
             if self.kernels and kernels_available(x):
-                options = self.options
-                if tokens_permuted:
-                    options = replace(options, recipe=replace(options.recipe, token_permutation=False))
-                return srelu24_op(x, self.w1.weight, self.w2.weight, options, stats, self.step_state)
+                return srelu24_op(x, self.w1.weight, self.w2.weight, self.options, stats, self.step_state,
+                                  tokens_permuted)
             warn_reference_path_once()
             recipe = replace(self.recipe, token_permutation=False) if tokens_permuted else self.recipe
             return srelu24_ffn(x, self.w1.weight, self.w2.weight, recipe, stats)

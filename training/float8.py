@@ -34,7 +34,7 @@ raises ConfigError naming the setting. torch.compile (trainer.compile) fuses the
 surrounding kernels; without it float8 is correct but slower. Under rowwise, `convert` also sets
 two of inductor's options for the whole process: emulate_precision_casts (compiled casts round as
 eager's, as torchtitan sets it) and triton.prefer_nd_tiling (the casts' transposed copies tiled in
-2-D: the same bits, a faster swiglu rowwise step; benchmarks/RESULTS.md).
+2-D: the same bits, a faster swiglu rowwise step; lab/LOG.md).
 """
 import os
 

@@ -271,15 +271,16 @@ def _op_weight(w: Tensor, e4m3: bool) -> Tensor:
 
 
 def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), stats: Optional[Tensor] = None,
-        step: Optional[StepState] = None) -> Tensor:
+        step: Optional[StepState] = None, tokens_permuted: bool = False) -> Tensor:
     """The srelu24 FFN on x [..., d]; adds this call's statistics row to `stats` when given.
     step: the optimizer step's shared state (StepState), or None: the op converts every weight at
-    each use and hands autograd the weight gradients."""
+    each use and hands autograd the weight gradients. tokens_permuted: x's rows are already in a
+    random order (the block's), so the op draws none."""
     shape = x.shape
     kept = step.weights.flat() if step is not None and step.weights is not None else []
     g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
     y, _, _, row = ffn_forward(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3),
-                               _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, *options.flags())
+                               _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, *options.flags(tokens_permuted))
     if stats is not None:
         stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])

@@ -27,10 +27,14 @@ class OpOptions:
     def e4m3(self) -> bool:
         return self.float8 != "none" and self.sparse_float8
 
-    def flags(self) -> tuple:
-        """The op's trailing arguments, in its order (a custom op takes no dataclass)."""
+    def flags(self, tokens_permuted: bool = False) -> tuple:
+        """The op's trailing arguments, in its order (a custom op takes no dataclass).
+        tokens_permuted: the caller has permuted the tokens (the block does), so the op does not.
+        Plain values, not a modified copy of the options: torch 2.11's dynamo cannot build a
+        dataclass inside a compiled block, and breaks the graph there."""
         r = self.recipe
-        return r.token_permutation, r.dense_feature_fraction, r.reuse_forward_mask, self.float8, self.sparse_float8
+        return (r.token_permutation and not tokens_permuted, r.dense_feature_fraction, r.reuse_forward_mask,
+                self.float8, self.sparse_float8)
 
     @classmethod
     def from_flags(cls, token_permutation: bool, dense_feature_fraction: float, reuse_forward_mask: bool,
