@@ -23,9 +23,10 @@ tokens/s are also given for each phase apart (dense warmup, 2:4), each without i
 
 Time (--time): each log row's tokens/s covers the training steps since the previous log row, and
 neither evaluation nor checkpoints (training/metrics.py pauses its interval for them), so
-  steady  (default) sums the log intervals' times (tokens / tokens/s), except each phase's first
-          interval (compilation; srelu24's switch to 2:4 and its recompilation), counted at the
-          phase's median tokens/s: the time a long run takes per token, one-off costs left out;
+  steady  (default) sums the log intervals' times (tokens / tokens/s), except one-off intervals,
+          counted at their phase's median tokens/s: each phase's first (compilation; srelu24's
+          switch to 2:4) and any under half that median (a recompilation, e.g. for the first logged
+          step's statistics): the time a long run takes per token, one-off costs left out;
   train   sums the log intervals' times as measured, compilation included;
   elapsed is the logged elapsed_s: wall-clock from the first step, evaluation, checkpoints and
           compilation included (a resumed run continues its clock from its checkpoint).
@@ -55,12 +56,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from training.plots import close, layer_heatmap, plt  # noqa: E402
 
 WARMUP_FRACTION = 0.1
+ONE_OFF_BELOW = 0.5  # steady time: an interval under this fraction of its phase's median tokens/s held a one-off
 TIME_BASES = ("steady", "train", "elapsed")
 TIME_AXIS = {"steady": "training hours (compilation excluded)", "train": "training hours",
              "elapsed": "wall-clock hours (evaluation and checkpoints included)"}
 TIME_MEANING = {
-    "steady": "training time: the log intervals summed (evaluation and checkpoints excluded), each phase's "
-              "first interval (compilation, srelu24's switch to 2:4) counted at the phase's median tokens/s",
+    "steady": "training time: the log intervals summed (evaluation and checkpoints excluded), one-off intervals "
+              "(each phase's first: compilation, srelu24's switch to 2:4; any under half the phase's median "
+              "tokens/s: a recompilation) counted at the phase's median tokens/s",
     "train": "training time: the log intervals summed as measured (evaluation and checkpoints excluded, "
              "compilation included)",
     "elapsed": "wall-clock time from the first step (elapsed_s: evaluation, checkpoints and compilation included)"}
@@ -170,9 +173,9 @@ def training_seconds(rows: list[dict], basis: str = "steady") -> list[float]:
         medians = phase_medians([r for _, r in timed])
         seconds, tokens, started = 0.0, 0, set()
         for i, r in timed:
-            rate = r["tokens_per_s"]
-            if basis == "steady" and phase(r) not in started and medians[phase(r)]:
-                rate = medians[phase(r)]  # the phase's first interval: its compilation left out
+            rate, usual = r["tokens_per_s"], medians[phase(r)]
+            if basis == "steady" and usual and (phase(r) not in started or rate < ONE_OFF_BELOW * usual):
+                rate = usual  # a one-off interval (compilation, recompilation) at its phase's usual speed
             started.add(phase(r))
             seconds += max(r["tokens"] - tokens, 0) / rate
             tokens = r["tokens"]

@@ -45,6 +45,7 @@ def make_run(root: Path, job: str, ffn: str, float8: str, *, seed=1337, gpus=1, 
 
 SRELU24_MODES = [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]  # 2:4 from the 4th log interval (the switch)
 SRELU24_SPEEDS = [100.0, 1000.0, 1000.0, 50.0] + [1250.0] * 6  # compile, dense; the switch, 2:4
+RECOMPILED_SPEEDS = [100.0, 300.0] + [1000.0] * 8  # the second interval recompiles (under half the median)
 
 
 @pytest.fixture()
@@ -84,6 +85,16 @@ def test_training_clock_of_each_basis():
     assert steady[-1] == pytest.approx(3 * dense + 7 * sparse)
     assert compare.training_seconds(rows, "elapsed")[:3] == pytest.approx([510.0, 520.0, 525.0])
     assert compare.phase_medians(rows) == {0: 1000.0, 1: 1250.0}
+
+
+def test_steady_time_counts_a_recompiling_interval_at_the_phases_median():
+    """An interval under half its phase's median (a recompilation after the first) is a one-off
+    in steady time, as the first one is; one at 0.6 of the median counts as measured."""
+    rows = [{"step": s, "tokens": 1000 * s, "tokens_per_s": v} for s, v in zip(STEPS, RECOMPILED_SPEEDS)]
+    assert compare.training_seconds(rows, "steady") == pytest.approx([10.0 * (i + 1) for i in range(10)])
+    assert compare.training_seconds(rows, "train")[1] == pytest.approx(100.0 + 10000 / 300)
+    rows[5]["tokens_per_s"] = 600.0
+    assert compare.training_seconds(rows, "steady")[-1] == pytest.approx(90.0 + 10000 / 600)
 
 
 def test_reach_interpolates_between_the_bracketing_points():
