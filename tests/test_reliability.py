@@ -467,6 +467,28 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(tmp_path, corpus, cach
     assert ck.find_resume_checkpoint("auto", run)[0] == ckpt(run, 2)
 
 
+def test_a_stop_whose_save_fails_does_not_say_it_saved(tmp_path, corpus, cache, monkeypatch, keep_signal_handlers,
+                                                       caplog):
+    """A stop (trainer.stop_at_step, as a signal's) waits for its checkpoint, written in the
+    background, before saying it is saved: a full disk there ends in its error, not that line."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from training.errors import CheckpointError
+
+    real = dcp_fs._write_item
+
+    def write_item(transforms, stream, *a, **k):
+        if "step_00000004" in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(transforms, stream, *a, **k)
+
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    with caplog.at_level("INFO"), pytest.raises(CheckpointError, match="disk full"):
+        train_in_process(tmp_path, corpus, cache, ["trainer.max_steps=8", "trainer.ckpt_every=100",
+                                                   "trainer.stop_at_step=4", "trainer.async_checkpoint=true"])
+    assert "stopped at step 4" not in caplog.text and "checkpoint saved" not in caplog.text
+
+
 # ---------------------------------------------------------------- 6. keep_last
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(straight_kill_run):

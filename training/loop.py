@@ -228,6 +228,7 @@ def run_loop(run: Run) -> Progress:
             if done == t.stop_at_step or signalled:
                 bar.close()
                 why = f"signal {progress.stop.requested or 'on another rank'}" if signalled else "trainer.stop_at_step"
+                run.ckpt.wait()  # written (or its error raised) before the line that says so
                 if d.is_main:
                     log.info(f"stopped at step {done} ({why}), checkpoint saved; continue (or requeue) with the same "
                              f"command plus trainer.resume=auto hydra.run.dir={run.run_dir}")
