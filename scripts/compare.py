@@ -522,8 +522,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", type=Path, help="run directories or multirun directories")
     ap.add_argument("--out", type=Path, help="where tables and plots go (default: <first path>/report)")
-    ap.add_argument("--baseline", help="label or run name that ratios and loss gaps are taken against "
-                    "(default: the first run)")
+    ap.add_argument("--baseline", help="label, run name or \"<ffn> <precision>\" that ratios and loss gaps "
+                    "are taken against (default: the first run)")
     ap.add_argument("--target-loss", type=float, metavar="L",
                     help="the loss whose time to reach is tabled (default: the worst run's final value)")
     ap.add_argument("--target-metric", choices=list(METRICS), default="val",
@@ -545,7 +545,8 @@ def main(argv=None) -> int:
     if args.baseline is None:
         base_index = 0
     else:
-        names = [(r["label"], r["run"], r["name"]) for r in rows]
+        # "swiglu tensorwise" names a run also where the labels leave the precision out (all runs share it)
+        names = [(r["label"], r["run"], r["name"], f"{r['variant']} {r['precision']}") for r in rows]
         matches = [i for i, n in enumerate(names) if args.baseline in n]
         if len(matches) != 1:
             what = "is none" if not matches else "matches more than one"

@@ -97,6 +97,20 @@ def test_steady_time_counts_a_recompiling_interval_at_the_phases_median():
     assert compare.training_seconds(rows, "steady")[-1] == pytest.approx(90.0 + 10000 / 600)
 
 
+def test_the_baseline_named_by_ffn_and_precision_where_the_labels_omit_it(tmp_path, capsys):
+    """All runs tensorwise: labels are the FFNs alone, and --baseline "swiglu tensorwise" (the
+    study's documented command) still names swiglu's run."""
+    m = tmp_path / "multirun"
+    make_run(m, "0_swiglu_tensorwise", "swiglu", "tensorwise", speeds=[100.0] + [1000.0] * 9,
+             val=[5.0, 4.2, 3.8, 3.6, 3.5])
+    make_run(m, "1_srelu_tensorwise", "srelu", "tensorwise", speeds=[100.0] + [1100.0] * 9,
+             val=[5.0, 4.0, 3.5, 3.2, 3.1])
+    assert compare.main([str(m), "--baseline", "swiglu tensorwise", "--wandb", "disabled"]) == 0
+    rows = read_csv(m / "report" / "summary.csv")
+    assert set(rows) == {"swiglu", "srelu"} and float(rows["swiglu"]["val_vs_baseline"]) == 0.0
+    assert compare.main([str(m), "--baseline", "swiglu rowwise", "--wandb", "disabled"]) == 2
+
+
 def test_reach_interpolates_between_the_bracketing_points():
     pts = [(5.0, {"h": 1.0}), (4.0, {"h": 2.0}), (3.0, {"h": 4.0}), (3.5, {"h": 5.0}), (2.0, {"h": 6.0})]
     assert compare.reach(pts, 3.5) == {"h": 3.0}  # halfway from 4.0 (h 2) to 3.0 (h 4): the first crossing
