@@ -99,7 +99,8 @@ class Clock:
     def phases_ms(self) -> list[list[float]]:
         """Milliseconds per phase (PHASES order) of each step since the last call. One sync, after
         the last step: the steps ran back to back, as the trainer runs its unlogged steps; a GPU
-        gap between two steps counts in the next one's data phase."""
+        gap between two steps counts in the next one's optimizer phase, with its opening (srelu24's
+        weight conversions for the step)."""
         steps, self.steps = self.steps, []
         if self.cuda and steps:
             steps[-1][-1][1].synchronize()

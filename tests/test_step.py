@@ -87,7 +87,7 @@ def test_the_2to4_phase_starts_at_sparse_from():
 def test_marks_name_every_phase_per_micro_batch():
     seen = []
     train_step(parts_for(tiny(), accum=2), TrainState(), iter(batches(2, 4)).__next__, mark=seen.append)
-    assert seen == ["data", "forward", "backward"] * 2 + ["optimizer"]
+    assert seen == ["optimizer"] + ["data", "forward", "backward"] * 2 + ["optimizer"]
 
 
 # ---------------------------------------------------------------- the non-finite skip on the device

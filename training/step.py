@@ -107,8 +107,8 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
     """One optimizer step from `state.step`; advances `state`. `next_batch` gives this rank's
     (x, y) micro-batch on the device. `log`: collect the FFN statistics and read the loss back
     (the only host syncs besides the non-finite check, which has none when `p.skip_on_device`).
-    `mark(phase)` is called after each phase ("data", "forward", "backward" per micro-batch,
-    "optimizer"), for the benchmark. `stop_requested()` is asked after the backward (a signal
+    `mark(phase)` is called after each phase ("optimizer" for the step state's opening, then
+    "data", "forward", "backward" per micro-batch, then "optimizer"), for the benchmark. `stop_requested()` is asked after the backward (a signal
     that came during the step still stops after it), with several ranks in the same all-reduce
     as the non-finite check."""
     mark = mark or (lambda phase: None)
@@ -126,6 +126,7 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
     several, fsdp = p.accum > 1, is_fsdp(p.model)
     with srelu24_step(model, keep_conversions=several and not fsdp,
                       grads_in_place=several and not fsdp and p.train_module is p.model):
+        mark("optimizer")  # srelu24's weight conversions for the step: the optimizer's work, not data's
         for micro in range(p.accum):
             t0 = time.perf_counter()
             x, y = next_batch()
