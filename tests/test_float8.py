@@ -528,9 +528,9 @@ def test_compiled_float8_training_on_cuda_follows_bf16(kind, recipe):
     lands on either side of bf16's by seed (srelu24 tensorwise: -2.65%, -1.02%, +1.08% for seeds
     8-10, on the H200; lab/LOG.md), while a broken float8 path trains worse.
     Wrong gradients show at the first step, where no trajectory hides them:
-    test_float8_first_step_gradients_on_cuda. Each block compiles whole: a graph break splits it
-    and loses the fusions across the break (torch 2.11 broke srelu24's block where its call built
-    an options object, costing 1% of the 7B step)."""
+    test_float8_first_step_gradients_on_cuda. No graph break at a call (dynamo's graph_break
+    counter): a break splits a block and loses the fusions across it (torch 2.11 broke srelu24's
+    block where its call built an options object, costing 1% of the 7B step)."""
     from torch._dynamo.utils import counters
 
     from training.optim import build_optimizer

@@ -214,8 +214,9 @@ def test_a_write_during_the_step_is_refused_at_its_end(monkeypatch):
 def test_the_compiled_module_takes_each_steps_state_without_recompiling(monkeypatch, tokens_permuted):
     """torch.compile (aot_eager, one graph) around the module, also as the block calls it (tokens
     already permuted): a graph with a step state and one without, and new states on later steps
-    reuse them (no recompilation per step). The GPU test of compiled training counts graph breaks
-    under the GPU's torch (2.11's dynamo broke the block where its call built an options object)."""
+    reuse them (no recompilation per step). torch 2.13 traces both calls whole; the GPU test of
+    compiled training counts graph breaks under the GPU's torch (2.11's dynamo broke the block where
+    its call built an options object)."""
     from torch._dynamo.utils import counters
 
     _cpu_kernel_path(monkeypatch, "rowwise", True)
@@ -232,7 +233,22 @@ def test_the_compiled_module_takes_each_steps_state_without_recompiling(monkeypa
         m.zero_grad(set_to_none=True)
         fwd(x, tokens_permuted=tokens_permuted)  # outside a step
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
-    assert OpOptions().flags(tokens_permuted)[0] is not tokens_permuted  # the op draws no order of its own
+
+
+def test_tokens_the_block_permuted_reach_the_op_as_no_permutation_of_its_own(monkeypatch):
+    """The recipe permutes tokens; where the block has done so (tokens_permuted) the op is told not
+    to draw an order of its own, else it is told to."""
+    import kernels.srelu24.op as op
+
+    _cpu_kernel_path(monkeypatch, "rowwise", False)
+    seen, real = [], op.ffn_forward
+    monkeypatch.setattr(op, "ffn_forward", lambda *a: seen.append(a[7]) or real(*a))  # a[7]: token_permutation
+    m = _module(torch.randn(128, 64) / 8, torch.randn(64, 128) / 11, "rowwise", "cpu")
+    m.options = replace(m.options, recipe=SReLU24Recipe(token_permutation=True))
+    x = _batches(64, 64, "cpu", n=1)[0][0]
+    m(x, tokens_permuted=True)
+    m(x)
+    assert seen == [False, True]
 
 
 # ---------------------------------------------------------------- what train_step opens

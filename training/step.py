@@ -108,9 +108,9 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
     (x, y) micro-batch on the device. `log`: collect the FFN statistics and read the loss back
     (the only host syncs besides the non-finite check, which has none when `p.skip_on_device`).
     `mark(phase)` is called after each phase ("optimizer" for the step state's opening, then
-    "data", "forward", "backward" per micro-batch, then "optimizer"), for the benchmark. `stop_requested()` is asked after the backward (a signal
-    that came during the step still stops after it), with several ranks in the same all-reduce
-    as the non-finite check."""
+    "data", "forward", "backward" per micro-batch, then "optimizer"), for the benchmark.
+    `stop_requested()` is asked after the backward (a signal that came during the step still stops
+    after it), with several ranks in the same all-reduce as the non-finite check."""
     mark = mark or (lambda phase: None)
     model, d, step = p.model, p.dist, state.step
     sparse_on = p.sparse_from is not None and step >= p.sparse_from
