@@ -489,6 +489,30 @@ def test_a_stop_whose_save_fails_does_not_say_it_saved(tmp_path, corpus, cache, 
     assert "stopped at step 4" not in caplog.text and "checkpoint saved" not in caplog.text
 
 
+def test_a_failed_last_save_still_closes_the_logs(tmp_path, corpus, cache, monkeypatch, keep_signal_handlers):
+    """The run's last checkpoint, written in the background, fails at the end: its error ends the
+    run, and metrics.jsonl and wandb are closed all the same."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    import training.logger as logger
+    from training.errors import CheckpointError
+
+    real, closed = dcp_fs._write_item, []
+
+    def write_item(transforms, stream, *a, **k):
+        if "step_00000004" in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(transforms, stream, *a, **k)
+
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    real_close = logger.RunLogger.close
+    monkeypatch.setattr(logger.RunLogger, "close", lambda self: closed.append(True) or real_close(self))
+    with pytest.raises(CheckpointError, match="disk full"):
+        train_in_process(tmp_path, corpus, cache, ["trainer.max_steps=4", "trainer.ckpt_every=100",
+                                                   "trainer.async_checkpoint=true"])
+    assert closed and [m["step"] for m in metrics(tmp_path / "run")][-1] == 4
+
+
 # ---------------------------------------------------------------- 6. keep_last
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(straight_kill_run):

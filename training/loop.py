@@ -341,7 +341,11 @@ def teardown(run: Run, progress: Progress) -> dict:
     for key in ("mfu", "mem_allocated_gib", "act_sparsity_mean"):
         if key in progress.last_row:
             summary[f"final_{key}"] = progress.last_row[key]
-    run.ckpt.close()  # the last save is complete before the run reports its end
+    try:
+        run.ckpt.close()  # the last save is complete before the run reports its end
+    except BaseException:  # it failed (a full disk): its error is the run's end, the logs still closed
+        run.logger.close()
+        raise
     run.logger.summary(summary)
     run.logger.close()
     if run.d.is_main:
