@@ -189,11 +189,15 @@ def run_phases(cfg: Config) -> list[Optional[bool]]:
     return [False] * (warmup > 0) + [True] * (warmup < total_steps(cfg.trainer)) or [False]
 
 
+def phase_name(sparse_2to4: Optional[bool]) -> str:
+    """estimate's sparse_2to4 as the phase it stands for ("" for a dense FFN's one phase)."""
+    return "" if sparse_2to4 is None else "srelu24 2:4" if sparse_2to4 else "srelu24 dense warmup"
+
+
 def run_peak(cfg: Config, vocab: int, t: TrainerConfig, world: int, bf16: bool) -> tuple[int, str]:
     """The largest peak per GPU over the run's phases, and the phase's name ("" for a dense FFN)."""
-    peaks = [(estimate(cfg.model, cfg.ffn, vocab, t, world, sparse_2to4=s, bf16=bf16).peak,
-              "" if s is None else "srelu24 2:4" if s else "srelu24 dense warmup") for s in run_phases(cfg)]
-    return max(peaks)
+    return max((estimate(cfg.model, cfg.ffn, vocab, t, world, sparse_2to4=s, bf16=bf16).peak, phase_name(s))
+               for s in run_phases(cfg))
 
 
 @dataclass(frozen=True)
@@ -277,9 +281,8 @@ def dry_run_rows(cfg: Config, vocab: int, bf16: Optional[bool] = None) -> list[t
     2:4 phase), one checkpoint's bytes and the free disk its checkpoints need."""
     t = cfg.trainer
     world = world_size_of_launch(t)
-    phases = [("", None)]
-    if cfg.ffn.kind == "srelu24":
-        phases = [(" (srelu24 dense warmup)", False), (" (srelu24 2:4)", True)]
+    # both of srelu24's phases, whatever the run's warmup: the breakdown shows what 2:4 changes
+    phases = [(f" ({phase_name(s)})", s) for s in (False, True)] if cfg.ffn.kind == "srelu24" else [("", None)]
     setup = (f"{world} GPU(s), strategy {t.strategy.value}, activation checkpointing "
              f"{t.activation_checkpointing.value}, micro-batch {t.micro_batch_size} x {t.seq_len}")
     rows, first = [("memory per GPU, estimated for", setup)], None
