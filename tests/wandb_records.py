@@ -4,6 +4,7 @@ wandb >= 0.20 no longer ships a Python reader, so the tests carry this small one
 a 7-byte header (":W&B", magic 0xBEE1, version), then 32 KiB blocks of chunks, each with a
 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
@@ -11,8 +12,21 @@ from wandb.proto import wandb_internal_pb2 as pb
 BLOCK = 32768
 
 
+def settled(path: Path, timeout_s: float = 20.0) -> bytes:
+    """The file's bytes once its size has held for 0.5 s (at most timeout_s): the offline writer
+    can still be flushing just after the run's finish() returns on a loaded machine (a run file
+    was once read with no run record in it under the full suite)."""
+    deadline, last = time.monotonic() + timeout_s, -1
+    while True:
+        size = Path(path).stat().st_size
+        if size == last or time.monotonic() > deadline:
+            return Path(path).read_bytes()
+        last = size
+        time.sleep(0.5)
+
+
 def records(path: Path):
-    data = Path(path).read_bytes()
+    data = settled(path)
     assert data[:4] == b":W&B", f"{path} is not a wandb run file"
     pos, pending = 7, b""
     while pos + 7 <= len(data):
