@@ -20,6 +20,10 @@ fp32 on CPU) when the runs differ in precision, plus its seed when runs of one l
 seed. metrics.jsonl is the source of truth. Throughput and MFU are medians over the log intervals
 after the first ~10% (at least the first one), which include warm-up and compilation; srelu24's
 tokens/s are also given for each phase apart (dense warmup, 2:4), each without its first interval.
+Where the trainer logged NVML's readings (a CUDA GPU with nvidia-ml-py), the SM clock, the power
+and the energy per token (each interval's power over its tokens/s; srelu24's 2:4 phase apart) are
+medians over the same intervals: on a power-capped GPU the variant that draws more power per
+cycle runs at a lower clock, so tokens/s follows energy per token.
 
 Time (--time): each log row's tokens/s covers the training steps since the previous log row, and
 neither evaluation nor checkpoints (training/metrics.py pauses its interval for them), so
@@ -149,11 +153,20 @@ def phase(row: dict) -> int:
     return 1 if row.get("mode_2to4") == 1 else 0
 
 
-def phase_medians(timed: list[dict]) -> dict:
-    """Median tokens/s of each phase's log intervals after its first (compilation; the switch to
-    2:4 and its recompilation): {0: dense, 1: 2:4}, None for a phase with fewer than two intervals."""
+def phase_medians(timed: list[dict], value=lambda r: r.get("tokens_per_s")) -> dict:
+    """Median `value` (tokens/s by default) of each phase's log intervals after its first
+    (compilation; the switch to 2:4 and its recompilation): {0: dense, 1: 2:4}, None for a phase
+    with fewer than two intervals."""
     timed = [r for r in timed if finite(r.get("tokens_per_s"))]
-    return {p: median([r["tokens_per_s"] for r in timed if phase(r) == p][1:]) for p in (0, 1)}
+    per_phase = {p: [value(r) for r in timed if phase(r) == p][1:] for p in (0, 1)}
+    return {p: median([v for v in values if finite(v)]) for p, values in per_phase.items()}
+
+
+def mj_per_token(row: dict) -> Optional[float]:
+    """A log interval's energy per token in mJ: its median power over its tokens/s (None without
+    NVML's readings)."""
+    w, rate = row.get("gpu_power_w"), row.get("tokens_per_s")
+    return 1000 * w / rate if finite(w) and finite(rate) and rate > 0 else None
 
 
 def finite(v) -> bool:
@@ -233,6 +246,10 @@ def summarize(run: Path, basis: str = "steady") -> dict:
         "tokens_per_s_dense": speeds[0] if variant == "srelu24" else None,
         "tokens_per_s_24": speeds[1],
         "mfu": median([r["mfu"] for r in window if "mfu" in r]),
+        "sm_clock_mhz": median([r["gpu_sm_clock_mhz"] for r in window if finite(r.get("gpu_sm_clock_mhz"))]),
+        "power_w": median([r["gpu_power_w"] for r in window if finite(r.get("gpu_power_w"))]),
+        "mj_per_token": median([e for e in map(mj_per_token, window) if e is not None]),
+        "mj_per_token_24": phase_medians(timed, mj_per_token)[1],
         "act_sparsity": statistics.fmean(sparsity[-1]) if sparsity else None,
         "peak_mem_gib": max(mem) if mem else None,
         "hours": rows[-1]["_hours"] if rows else None,
@@ -282,6 +299,8 @@ COLUMNS = [("run", "run", str), ("variant", "variant", str), ("precision", "prec
            ("tokens_per_s", "tokens/s (steady median)", "{:,.0f}".format),
            ("tokens_per_s_dense", "tokens/s (srelu24 dense warmup median)", "{:,.0f}".format),
            ("tokens_per_s_24", "tokens/s (2:4 phase median)", "{:,.0f}".format), ("mfu", "MFU", "{:.1%}".format),
+           ("sm_clock_mhz", "SM clock (MHz)", "{:.0f}".format), ("power_w", "power (W)", "{:.0f}".format),
+           ("mj_per_token", "mJ/token", "{:.2f}".format), ("mj_per_token_24", "mJ/token (2:4 phase)", "{:.2f}".format),
            ("act_sparsity", "act sparsity (mean)", "{:.3f}".format),
            ("peak_mem_gib", "peak mem alloc (GiB)", "{:.2f}".format)]
 # summary.csv's further columns: the time-to-loss table's, and what a row is (label, seed, GPUs)

@@ -22,9 +22,10 @@ VAL_STEPS = (20, 40, 60, 80, 100)  # eval every 20
 
 
 def make_run(root: Path, job: str, ffn: str, float8: str, *, seed=1337, gpus=1, speeds, val, modes=None,
-             wandb_mode="offline", name="study_speed", elapsed=None) -> Path:
+             wandb_mode="offline", name="study_speed", elapsed=None, power=None, clock=None) -> Path:
     """A run directory as the trainer writes it: config_resolved.yaml, run_info.json, metrics.jsonl.
-    speeds: tokens/s of each log interval; val: validation loss at VAL_STEPS; modes: mode_2to4 per row."""
+    speeds: tokens/s of each log interval; val: validation loss at VAL_STEPS; modes: mode_2to4 per row;
+    power, clock: NVML's W and MHz per interval (none logged without them)."""
     run = root / job
     run.mkdir(parents=True)
     cfg = {"name": name, "ffn": {"kind": ffn}, "trainer": {"float8": float8, "seed": seed, "precision": "auto"},
@@ -36,6 +37,8 @@ def make_run(root: Path, job: str, ffn: str, float8: str, *, seed=1337, gpus=1, 
     for i, step in enumerate(STEPS):
         row = {"step": step, "tokens": 1000 * step, "loss": 6.0 - 0.03 * step, "tokens_per_s": speeds[i],
                "elapsed_s": elapsed[i] if elapsed else 100.0 + step, "mode_2to4": modes[i] if modes else 0}
+        if power:
+            row["gpu_power_w"], row["gpu_sm_clock_mhz"] = power[i], clock[i]
         if step in VAL_STEPS:
             row["val_loss"] = val[VAL_STEPS.index(step)]
         rows.append(row)
@@ -236,3 +239,26 @@ def test_no_wandb_report_when_the_runs_had_none(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert compare.wandb_mode("auto", [{"_wandb": {"mode": "online"}}]) == "disabled"
     assert compare.wandb_mode("offline", []) == "offline"
+
+
+def test_clock_power_and_energy_per_token_over_the_steady_intervals(tmp_path, capsys):
+    """Medians over the intervals after the first (10% of 10): clock and power as logged, energy per
+    token each interval's W / tokens/s; srelu24's 2:4 phase apart, without its switch interval.
+    A run logged without NVML's readings shows none."""
+    m = tmp_path / "multirun"
+    power = [300.0] + [700.0] * 3 + [500.0] * 6  # compile, dense; 2:4 (the switch at 500 W too)
+    clock = [1980.0] + [1500.0] * 3 + [1600.0] * 6
+    run = make_run(m, "0_srelu24", "srelu24", "tensorwise", speeds=SRELU24_SPEEDS, modes=SRELU24_MODES,
+                   val=[5.0, 4.0, 3.5, 3.2, 3.0], power=power, clock=clock)
+    make_run(m, "1_srelu", "srelu", "tensorwise", speeds=[100.0] + [1000.0] * 9, val=[5.0, 4.0, 3.5, 3.2, 3.1])
+    r = compare.summarize(run)
+    assert r["sm_clock_mhz"] == 1600.0 and r["power_w"] == 500.0
+    # intervals 2-10: 700/1000 (x2), 500/50 (the switch), 500/1250 (x6) -> sorted, the 5th: 400 mJ
+    assert r["mj_per_token"] == pytest.approx(400.0)
+    assert r["mj_per_token_24"] == pytest.approx(1000 * 500.0 / 1250.0)  # the switch interval left out
+    assert compare.main([str(m), "--out", str(tmp_path / "rep"), "--wandb", "disabled"]) == 0
+    rows = read_csv(tmp_path / "rep" / "summary.csv")
+    assert float(rows["srelu24"]["mj_per_token_24"]) == pytest.approx(400.0)
+    assert rows["srelu"]["mj_per_token"] == "" and rows["srelu"]["power_w"] == ""
+    table = capsys.readouterr().out
+    assert "| mJ/token |" in table and "| 400.00 | 400.00 |" in table
