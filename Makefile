@@ -37,8 +37,8 @@ clean-venv:
 	rm -rf $(VENV)
 
 # make kernels: the CUDA C++ sparsify kernels of the srelu24 forward and backward
-# (kernels/srelu24/csrc/srelu24_sparsify.cu) as build/srelu24_kernels.so, which kernels/srelu24/sparsify.py and
-# kernels/srelu24/sparsify_backward.py prefer to their Triton kernels. Needs nvcc >= 12.0 (sm80 and sm90 code;
+# (srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu) as build/srelu24_kernels.so, which srelu24_kernels/srelu24/sparsify.py and
+# srelu24_kernels/srelu24/sparsify_backward.py prefer to their Triton kernels. Needs nvcc >= 12.0 (sm80 and sm90 code;
 # a few seconds). Without it the Triton kernels run.
 # KERNELS_LDFLAGS: extra link flags, e.g. -L<CUDA lib dir> where nvcc does not find cudart.
 NVCC ?= nvcc
@@ -47,6 +47,6 @@ KERNELS_FLAGS = -std=c++17 -O3 -Xcompiler -fPIC -gencode arch=compute_80,code=sm
 
 kernels: build/srelu24_kernels.so
 
-build/srelu24_kernels.so: kernels/srelu24/csrc/srelu24_sparsify.cu
+build/srelu24_kernels.so: srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu
 	@mkdir -p build
 	$(NVCC) $(KERNELS_FLAGS) -shared $(KERNELS_LDFLAGS) $< -o $@

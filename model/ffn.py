@@ -20,10 +20,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.ffn_stats import N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, srelu24_sums
-from kernels.float8 import scaled_mm_shapes
-from kernels.srelu24.options import OpOptions, StepState
-from kernels.srelu24.reference import SReLU24Recipe, srelu24_ffn
+from srelu24_kernels.ffn_stats import N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, srelu24_sums
+from srelu24_kernels.float8 import scaled_mm_shapes
+from srelu24_kernels.srelu24.options import OpOptions, StepState
+from srelu24_kernels.srelu24.reference import SReLU24Recipe, srelu24_ffn
 
 FFN_REGISTRY: dict[str, type["FFN"]] = {}
 
@@ -51,7 +51,7 @@ def ffn_class(kind: str) -> type["FFN"]:
 
 
 class FFN(nn.Module):
-    """Base: a device buffer of activation-statistics sums (kernels/ffn_stats.py), added to on
+    """Base: a device buffer of activation-statistics sums (srelu24_kernels/ffn_stats.py), added to on
     forward passes while `collect_stats` is on."""
     kind: str = ""
     hidden_multiple: int = 1
@@ -134,7 +134,7 @@ class SReLU(FFN):
 class SReLU24(SReLU):
     """Squared-ReLU whose activations are 2:4 sparse once `sparse` is switched on (the
     trainer does so after the dense warmup, through set_2to4). Before that it is exactly SReLU.
-    On CUDA sm80/sm90 (and ffn.kernels) its 2:4 phase runs the op of kernels/srelu24/op.py with
+    On CUDA sm80/sm90 (and ffn.kernels) its 2:4 phase runs the op of srelu24_kernels/srelu24/op.py with
     `options`; elsewhere the PyTorch reference."""
     # The sm90 sparse GEMM layout wants the 2:4 (reduction) dimension a multiple of 32 and
     # the rows of the transposed operand (features) a multiple of 64.
@@ -199,8 +199,8 @@ class SReLU24(SReLU):
         if not (self.sparse and self.options.e4m3 and w1.dtype == w2.dtype == torch.float32
                 and self.kernels and kernels_available(w1)):
             return
-        from kernels.float8 import sparse as fp8_sparse
-        from kernels.srelu24.op import convert_weights
+        from srelu24_kernels.float8 import sparse as fp8_sparse
+        from srelu24_kernels.srelu24.op import convert_weights
 
         state = StepState()
         if keep_conversions and fp8_sparse.available(w1.device):
@@ -239,7 +239,7 @@ def _grad_buffer(p: nn.Parameter) -> Optional[Tensor]:
 @contextmanager
 def srelu24_step(model: nn.Module, keep_conversions: bool, grads_in_place: bool):
     """The state that every srelu24 FFN of `model` shares across one optimizer step's micro-batches
-    (kernels/srelu24/options.py, StepState), opened on entry and dropped on exit, also on errors.
+    (srelu24_kernels/srelu24/options.py, StepState), opened on entry and dropped on exit, also on errors.
     training/step.py opens it around the micro-batches, with keep_conversions where there are
     several of them and the weights stay put between them (not FSDP2), and grads_in_place where
     also autograd's accumulation is nobody else's business (not DDP's reducer, not FSDP2)."""
@@ -271,13 +271,13 @@ _warned = False
 def kernels_available(x: Tensor) -> bool:
     if not x.is_cuda:
         return False  # keeps triton out of CPU-only runs
-    from kernels.srelu24.op import available
+    from srelu24_kernels.srelu24.op import available
 
     return available(x)
 
 
 def srelu24_op(*args):
-    from kernels.srelu24.op import ffn
+    from srelu24_kernels.srelu24.op import ffn
 
     return ffn(*args)
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from kernels.srelu24.reference import permute_rows, random_token_orders
+from srelu24_kernels.srelu24.reference import permute_rows, random_token_orders
 
 from .attention import AttentionKind, Mask, attend, document_ids, document_mask
 from .config import FFNConfig, ModelConfig, attention_shape_problem, ffn_hidden_dim
@@ -211,7 +211,7 @@ class Transformer(nn.Module):
             layer.feed_forward.set_2to4(active)
 
     def collect_ffn_stats(self, enabled: bool) -> None:
-        """Have every FFN add activation statistics to its device buffer (kernels/ffn_stats.py)."""
+        """Have every FFN add activation statistics to its device buffer (srelu24_kernels/ffn_stats.py)."""
         for layer in self.layers:
             layer.feed_forward.collect_stats = enabled
 

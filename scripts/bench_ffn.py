@@ -1,7 +1,7 @@
 """The srelu24 FFN against dense on the GPU: correctness of the kernels against their
 references, then median times (triton do_bench) of forward and forward+backward (backward as
 their difference) for SwiGLU, dense srelu (eager and compiled) and srelu24
-(kernels/srelu24/op.py), the fused sparsify pass against a copy, where srelu24's time goes (piece by piece at 7B/1B, T=16384 and 1B,
+(srelu24_kernels/srelu24/op.py), the fused sparsify pass against a copy, where srelu24's time goes (piece by piece at 7B/1B, T=16384 and 1B,
 T=4096), and its host time per call against its GPU kernel time (`overhead`).
 
     python scripts/bench_ffn.py                     # 1B and 7B shapes, T = 4096, 16384, 65536
@@ -24,16 +24,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels.cusparselt.layout import decompress  # noqa: E402
-from kernels.cusparselt.binding import sparse_mm  # noqa: E402
-from kernels.srelu24.op import OpOptions, ffn, ffn_backward, ffn_forward, keeps_a24  # noqa: E402
-from kernels.srelu24.sparsify_backward import (a24_usable, backward_operands, backward_operands_from_a24,  # noqa: E402
+from srelu24_kernels.cusparselt.layout import decompress  # noqa: E402
+from srelu24_kernels.cusparselt.binding import sparse_mm  # noqa: E402
+from srelu24_kernels.srelu24.op import OpOptions, ffn, ffn_backward, ffn_forward, keeps_a24  # noqa: E402
+from srelu24_kernels.srelu24.sparsify_backward import (a24_usable, backward_operands, backward_operands_from_a24,  # noqa: E402
                                          cuda_usable, dense_slots, write_dense_columns, write_dense_rows)
-from kernels.srelu24.reference import SReLU24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
-from kernels.srelu24.sparsify import cuda_usable as sparsify_cuda_usable  # noqa: E402
-from kernels.cusparselt.layout import ROWS_PER_BAND, padded  # noqa: E402
-from kernels.srelu24.sparsify import srelu_sparsify_2to4, srelu_sparsify_2to4_reference  # noqa: E402
-from kernels.srelu24.reference import mask_2to4  # noqa: E402
+from srelu24_kernels.srelu24.reference import SReLU24Recipe, densest_from_counts, random_token_order, srelu24_ffn  # noqa: E402
+from srelu24_kernels.srelu24.sparsify import cuda_usable as sparsify_cuda_usable  # noqa: E402
+from srelu24_kernels.cusparselt.layout import ROWS_PER_BAND, padded  # noqa: E402
+from srelu24_kernels.srelu24.sparsify import srelu_sparsify_2to4, srelu_sparsify_2to4_reference  # noqa: E402
+from srelu24_kernels.srelu24.reference import mask_2to4  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs, swiglu_weights  # noqa: E402
 from training.gpu_clocks import energy_during  # noqa: E402
 from training.logger import environment  # noqa: E402

@@ -84,7 +84,7 @@ def cpu_scaled_mm_runs(recipe: str) -> bool:
     if recipe not in _CPU_SCALED_MM:
         import torch
 
-        from kernels.float8 import gemm as fp8_gemm
+        from srelu24_kernels.float8 import gemm as fp8_gemm
 
         major, minor = (int(v) for v in torch.__version__.split(".")[:2])
         if (major, minor) >= (2, 13):  # it does: a failure there is the code's, and must fail the tests
@@ -100,8 +100,8 @@ def cpu_scaled_mm_runs(recipe: str) -> bool:
 
 
 def kernel_ffn(x, w1, w2, recipe, stats=None, float8: str = "none", sparse_float8: bool = True):
-    """kernels.srelu24.op.ffn, its options spelled out (the tests' shorthand)."""
-    from kernels.srelu24.op import OpOptions, ffn
+    """srelu24_kernels.srelu24.op.ffn, its options spelled out (the tests' shorthand)."""
+    from srelu24_kernels.srelu24.op import OpOptions, ffn
 
     return ffn(x, w1, w2, OpOptions(recipe, float8, sparse_float8), stats)
 
@@ -113,7 +113,7 @@ def forward_args(x, w1, w2, collect_stats: bool, options) -> tuple:
 
 def backward_args(dy, x, w1, w2, saved, counts, options) -> tuple:
     """srelu24::ffn_backward's arguments for a forward's outputs, without a step's state."""
-    from kernels.srelu24.op import keeps_a24
+    from srelu24_kernels.srelu24.op import keeps_a24
 
     return (dy, x, w1, w2, saved, counts, keeps_a24(x, w1, options.recipe.reuse_forward_mask), [], None, None,
             *options.flags())

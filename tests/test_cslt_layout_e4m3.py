@@ -1,4 +1,4 @@
-"""cuSPARSELt's e4m3 2:4 layout (kernels/cusparselt/layout.py) against buffers torch._cslt_compress wrote
+"""cuSPARSELt's e4m3 2:4 layout (srelu24_kernels/cusparselt/layout.py) against buffers torch._cslt_compress wrote
 on an H200 (tests/data/cslt_e4m3_compress.json: random 2:4 e4m3 matrices and their compressed
 bytes), and the bf16-to-e4m3 metadata permutation against both layouts' formulas."""
 import base64
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cusparselt.layout import (compress, compress_e4m3, compressed_bytes_e4m3, decompress_e4m3, e4m3_metadata,
+from srelu24_kernels.cusparselt.layout import (compress, compress_e4m3, compressed_bytes_e4m3, decompress_e4m3, e4m3_metadata,
                                  nibble_index_e4m3)
-from kernels.srelu24.reference import mask_2to4
+from srelu24_kernels.srelu24.reference import mask_2to4
 
 E4M3 = torch.float8_e4m3fn
 

@@ -1,11 +1,11 @@
-"""kernels/cusparselt/binding.py: cached cuSPARSELt plans give torch._cslt_sparse_mm's product bit for
+"""srelu24_kernels/cusparselt/binding.py: cached cuSPARSELt plans give torch._cslt_sparse_mm's product bit for
 bit (GPU), and fall back to torch's op with a warning when the library cannot be used (CPU)."""
 import warnings
 
 import pytest
 import torch
 
-import kernels.cusparselt.binding as C
+import srelu24_kernels.cusparselt.binding as C
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ class _NullContext:
 def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed, transpose_result, searched):
     """Default and searched algorithm ids (the FFN runs the searched ones), row- and column-major
     products (dW2 is written transposed); the second call reuses the plan on fresh inputs."""
-    from kernels.srelu24.sparsify import srelu_sparsify_2to4
+    from srelu24_kernels.srelu24.sparsify import srelu_sparsify_2to4
 
     def operands():
         a, _ = srelu_sparsify_2to4(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
@@ -115,9 +115,9 @@ def test_cached_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, b_transposed
 @pytest.mark.parametrize("m,k,n", [(256, 512, 192), (8192, 2048, 512)])
 @pytest.mark.parametrize("transpose_result", [False, True])
 def test_cached_e4m3_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, transpose_result):
-    """e4m3 A and K-major B, bf16 out (kernels/float8/sparse.py's GEMMs), at the searched id."""
-    from kernels.float8 import sparse as fp8_sparse
-    from kernels.srelu24.sparsify import srelu_sparsify_2to4
+    """e4m3 A and K-major B, bf16 out (srelu24_kernels/float8/sparse.py's GEMMs), at the searched id."""
+    from srelu24_kernels.float8 import sparse as fp8_sparse
+    from srelu24_kernels.srelu24.sparsify import srelu_sparsify_2to4
 
     def operands():
         buf, _ = srelu_sparsify_2to4(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
@@ -140,7 +140,7 @@ def test_cached_e4m3_plan_equals_torch_bit_for_bit(fresh_cache, m, k, n, transpo
 @pytest.mark.gpu
 def test_inputs_the_plans_are_not_built_for_go_to_torchs_op(fresh_cache):
     """A B in neither layout is made contiguous first; fp16 operands get no (bf16) plan."""
-    from kernels.srelu24.sparsify import srelu_sparsify_2to4
+    from srelu24_kernels.srelu24.sparsify import srelu_sparsify_2to4
 
     a, _ = srelu_sparsify_2to4(torch.randn(128, 64, device="cuda", dtype=torch.bfloat16))
     strided = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)[:, ::2]  # [64, 32], neither layout

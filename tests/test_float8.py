@@ -1,4 +1,4 @@
-"""trainer.float8 (training/float8.py, kernels/float8/gemm.py): which linears torchao converts and in
+"""trainer.float8 (training/float8.py, srelu24_kernels/float8/gemm.py): which linears torchao converts and in
 which order build_model applies it, the FSDP2 float8 all-gather, the srelu24 op's dense float8
 GEMMs against torchao's casts and their fp32 reference, the configs, and the error where float8
 cannot run. torch's CPU _scaled_mm (torch >= 2.13) runs the float8 GEMMs here; the GPU tests run
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import triton
 
-import kernels.float8.gemm as fp8
+import srelu24_kernels.float8.gemm as fp8
 from helpers import (EXPERIMENTS, ROOT, compose_config, forward_args, kernel_ffn, run_train, tiny_overrides, to_object,
                      with_cache)
 from model import FFNConfig, ModelConfig, Transformer
@@ -351,8 +351,8 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
     """The kernel FFN (CPU: Triton interpreter, cuSPARSELt stood in for) calls fp8_gemm for
     Z = X W1^T (forward) and dA = dY W2 (backward, as a gradient) and nothing else; its output and
     gradients stay near the bf16 op's."""
-    import kernels.srelu24.op as K
-    from kernels.srelu24.reference import SReLU24Recipe
+    import srelu24_kernels.srelu24.op as K
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     calls, real = [], fp8.mm
@@ -379,8 +379,8 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
 
 
 def test_srelu24_op_with_float8_passes_opcheck_and_compiles_in_one_graph(monkeypatch):
-    import kernels.srelu24.op as K
-    from kernels.srelu24.reference import SReLU24Recipe
+    import srelu24_kernels.srelu24.op as K
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     g = torch.Generator().manual_seed(5)
@@ -479,7 +479,7 @@ def test_fp8_mm_on_cuda_equals_its_reference(recipe, grad, m, k, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rowwise_column_scales_of_a_row_major_b_on_cuda(dtype):
-    """dA = dY W2's B (W2 [d, F] row-major, scales per column): on a GPU kernels.float8.cast.columns_to_e4m3, the
+    """dA = dY W2's B (W2 [d, F] row-major, scales per column): on a GPU srelu24_kernels.float8.cast.columns_to_e4m3, the
     cast written K-major. bf16: torchao's bytes and scales (the PyTorch path's) bit for bit. fp32:
     the largest power-of-2 scales that fit, which torchao's float32 log2 exceeds 2x for rare amaxes."""
     g = torch.Generator().manual_seed(6)
@@ -499,8 +499,8 @@ def test_rowwise_column_scales_of_a_row_major_b_on_cuda(dtype):
 def test_srelu24_kernels_in_float8_on_cuda_follow_bf16(recipe):
     """The real 2:4 kernels and cuSPARSELt with the dense GEMMs in float8: output and gradients
     close to the bf16 op's."""
-    import kernels.srelu24.op as K
-    from kernels.srelu24.reference import SReLU24Recipe
+    import srelu24_kernels.srelu24.op as K
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2048, 256, generator=g).bfloat16().cuda()

@@ -1,9 +1,9 @@
-"""The one-pass float8 cast (kernels/float8/cast.py) against PyTorch's scale, clamp and cast, bit for
+"""The one-pass float8 cast (srelu24_kernels/float8/cast.py) against PyTorch's scale, clamp and cast, bit for
 bit (CPU: TRITON_INTERPRET, whose own float8 cast the kernel does not rely on)."""
 import pytest
 import torch
 
-from kernels.float8.cast import E4M3, E5M2, scaled_cast, scaled_cast_reference
+from srelu24_kernels.float8.cast import E4M3, E5M2, scaled_cast, scaled_cast_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,8 +90,8 @@ def test_scaled_cast_rejects_a_scale_of_another_shape():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_float8_gemm_operands_on_cuda_equal_the_pytorch_path(recipe, grad):
-    """kernels/float8/gemm.py's operands through the Triton cast (CUDA) against the PyTorch expression (CPU)."""
-    from kernels.float8 import gemm as fp8_gemm
+    """srelu24_kernels/float8/gemm.py's operands through the Triton cast (CUDA) against the PyTorch expression (CPU)."""
+    from srelu24_kernels.float8 import gemm as fp8_gemm
 
     a, b = awkward(256, 512), awkward(512, 192)
     for bb in (b, b.t().contiguous().t()):  # B row-major, and the transpose of a row-major (W1^T)
@@ -108,7 +108,7 @@ def test_float8_gemm_operands_on_cuda_equal_the_pytorch_path(recipe, grad):
 def test_columns_to_e4m3_equals_its_reference(dtype):
     """A row-major B's per-column conversion (fp8_sparse's X, dY and W1, fp8_gemm's W2), K-major:
     bytes, scales and reciprocals bit for bit; a NaN column stays NaN."""
-    from kernels.float8.cast import columns_to_e4m3, columns_to_e4m3_reference
+    from srelu24_kernels.float8.cast import columns_to_e4m3, columns_to_e4m3_reference
     b = awkward(70, 130).to(dtype)
     b[3, 7] = float("nan")
     want_q, want_s = columns_to_e4m3_reference(b)

@@ -1,12 +1,12 @@
-"""srelu24's e4m3 2:4 GEMMs (kernels/float8/sparse.py): the Triton conversion kernels against their
+"""srelu24's e4m3 2:4 GEMMs (srelu24_kernels/float8/sparse.py): the Triton conversion kernels against their
 PyTorch references bit for bit (CPU: TRITON_INTERPRET), the power-of-2 scales, and on a GPU the
 e4m3 product against its fp32 reference and the FFN's gradients against bf16."""
 import pytest
 import torch
 
-from kernels.float8 import sparse as fp8_sparse
-from kernels.cusparselt.layout import compress, compress_e4m3, decompress_e4m3, e4m3_metadata
-from kernels.srelu24.reference import mask_2to4
+from srelu24_kernels.float8 import sparse as fp8_sparse
+from srelu24_kernels.cusparselt.layout import compress, compress_e4m3, decompress_e4m3, e4m3_metadata
+from srelu24_kernels.srelu24.reference import mask_2to4
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -205,7 +205,7 @@ def test_unscale_to_fp32_is_the_in_place_bf16_result_widened(m, n):
 def test_unscale_writes_dense_columns_as_write_dense_columns(out_dtype):
     """dW2's dense features' columns written in the unscaling pass (e4m3 mode) equal unscale followed
     by write_dense_columns, bit for bit, in bf16 (in place) and fp32 (an fp32 weight's gradient)."""
-    from kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns
+    from srelu24_kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns
     g = torch.Generator().manual_seed(3)
     d, f, k = 64, 300, 17  # F not a multiple of the kernel's 128 columns
     y = torch.randn(d, f, generator=g).bfloat16().to(DEV)
@@ -292,7 +292,7 @@ def test_dense_mm_is_the_product_of_the_e4m3_rows_and_columns(layout):
 def test_dense_mm_one_launch_rows_cast_as_rows_to_e4m3(k, monkeypatch):
     """dense_mm's fused rows cast (fp8_gemm.rowwise_e4m3) gives the bytes and scales of
     rows_to_e4m3, and so the same product as the unfused path, at the tokens a 7B FFN has."""
-    from kernels.float8 import gemm as fp8_gemm
+    from srelu24_kernels.float8 import gemm as fp8_gemm
     g = torch.Generator(device="cuda").manual_seed(k)
     a = (torch.randn(40, k, device="cuda", generator=g) * torch.logspace(-3, 3, 40, device="cuda")[:, None]).bfloat16()
     a[7] = 0.0
@@ -310,7 +310,7 @@ def test_dense_mm_one_launch_rows_cast_as_rows_to_e4m3(k, monkeypatch):
 def test_the_references_dense_columns_are_write_dense_columns():
     """sparse_and_dense_mm_reference with slots (dW2 in e4m3 mode, fp32 weights) is the product
     widened, with the dense rows stored as its columns as write_dense_columns stores them."""
-    from kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns
+    from srelu24_kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns
     m, k, n, r = 128, 256, 64, 9
     a, keep = sparse_bf16(m, k, 8)
     buf = compress(a, keep)
@@ -335,7 +335,7 @@ def test_sparse_and_dense_mm_share_one_conversion_of_b(transpose_result):
     assert torch.equal(y, fp8_sparse.sparse_mm(buf, b, transpose_result))
     assert torch.equal(yd, fp8_sparse.dense_mm(rows, *fp8_sparse.kmajor_e4m3(b)))
     if transpose_result:  # dW2: the dense rows as its columns, written in the unscaling pass
-        from kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns
+        from srelu24_kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns
         slots = dense_slots(torch.randperm(m, device="cuda")[:r], m, "cuda")[0]
         want = y.clone()
         write_dense_columns(want, slots, yd)
@@ -352,7 +352,7 @@ def test_sparse_and_dense_mm_share_one_conversion_of_b(transpose_result):
 
 def _ffn_outputs(x, w1, w2, dy, float8: str, sparse_float8: bool, reuse_forward_mask: bool = True) -> list:
     from helpers import kernel_ffn
-    from kernels.srelu24.reference import SReLU24Recipe
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     for t in (x, w1, w2):
         t.grad = None
@@ -391,9 +391,9 @@ def test_srelu24_ffn_in_e4m3_is_its_reference_and_near_bf16(monkeypatch):
 
 
 def _recorded_weight_dtypes(monkeypatch, w_dtype, float8: str, sparse_float8: bool) -> tuple:
-    """The dtypes kernels.srelu24.op.ffn hands the forward op (recorded, not run)."""
-    import kernels.srelu24.op as K
-    from kernels.srelu24.reference import SReLU24Recipe
+    """The dtypes srelu24_kernels.srelu24.op.ffn hands the forward op (recorded, not run)."""
+    import srelu24_kernels.srelu24.op as K
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     seen = []
 
@@ -425,9 +425,9 @@ def test_the_kernel_ffn_hands_fp32_weights_to_the_op_in_e4m3_mode(monkeypatch, f
 
 
 def test_the_ops_fakes_take_fp32_weights_and_give_fp32_weight_gradients():
-    import kernels.srelu24.op as K
+    import srelu24_kernels.srelu24.op as K
     from helpers import backward_args, forward_args
-    from kernels.srelu24.reference import SReLU24Recipe
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     T, d, F_ = 100, 64, 128
     x = torch.empty(T, d, dtype=torch.bfloat16, device="meta")

@@ -4,13 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cusparselt.layout import compress, compressed_numel, decompress, nibble_index
-from kernels.cusparselt.layout import ROWS_PER_BAND, padded
-from kernels.srelu24.sparsify import activation_totals_reference, srelu_sparsify_2to4, srelu_sparsify_2to4_reference
-from kernels.srelu24.reference import mask_2to4
-from kernels.ffn_stats import ELEMENTS, N_SUMS
-from kernels.srelu24.options import OpOptions
-from kernels.srelu24.reference import SReLU24Recipe
+from srelu24_kernels.cusparselt.layout import compress, compressed_numel, decompress, nibble_index
+from srelu24_kernels.cusparselt.layout import ROWS_PER_BAND, padded
+from srelu24_kernels.srelu24.sparsify import activation_totals_reference, srelu_sparsify_2to4, srelu_sparsify_2to4_reference
+from srelu24_kernels.srelu24.reference import mask_2to4
+from srelu24_kernels.ffn_stats import ELEMENTS, N_SUMS
+from srelu24_kernels.srelu24.options import OpOptions
+from srelu24_kernels.srelu24.reference import SReLU24Recipe
 from helpers import backward_args, forward_args, kernel_ffn
 
 
@@ -78,9 +78,9 @@ def test_fused_kernel_equals_reference_bit_for_bit(m, k, bands):
 
 @pytest.mark.parametrize("m,k,bands", [(100, 96, 1), (640, 128, 8)])
 def test_fused_kernel_totals_for_the_statistics(m, k, bands):
-    """On logged steps the same pass reduces what kernels/ffn_stats.py needs; the row built from it
+    """On logged steps the same pass reduces what srelu24_kernels/ffn_stats.py needs; the row built from it
     equals the one the statistics compute from the activation itself."""
-    from kernels.ffn_stats import srelu24_sums, srelu24_sums_from_counts
+    from srelu24_kernels.ffn_stats import srelu24_sums, srelu24_sums_from_counts
 
     z = random_z(m, k, seed=m + k)
     totals = torch.zeros(3, dtype=torch.float64)
@@ -124,10 +124,10 @@ def test_fused_kernel_feeds_cusparselt(m, k):
 
 @pytest.mark.parametrize("recipe", [(True, 0.05, True), (False, 0.0, True), (True, 0.1, False)])
 def test_kernel_ffn_equals_the_reference(monkeypatch, recipe):
-    """The whole kernel FFN (forward and the three gradients) against kernels.srelu24_reference's reference.
+    """The whole kernel FFN (forward and the three gradients) against srelu24_kernels.srelu24_reference's reference.
     On CPU, cuSPARSELt's product is stood in for by decompress + matmul, so this checks every
     kernel and the plumbing around the GEMMs; the GPU test below uses the real one."""
-    from kernels.srelu24.reference import SReLU24Recipe, srelu24_ffn
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe, srelu24_ffn
 
     _cslt_stand_in(monkeypatch)
     r = SReLU24Recipe(*recipe)
@@ -162,7 +162,7 @@ def _cslt_stand_in(monkeypatch):
 
 def test_kernel_ops_pass_torch_library_opcheck(monkeypatch):
     """Schema, fake (meta) versions, autograd registration and AOT dispatch of the two ops."""
-    import kernels.srelu24.op as K
+    import srelu24_kernels.srelu24.op as K
 
     _cslt_stand_in(monkeypatch)
     g = torch.Generator().manual_seed(5)
@@ -179,7 +179,7 @@ def test_kernel_ops_pass_torch_library_opcheck(monkeypatch):
 
 def test_kernel_ffn_compiles_without_a_graph_break(monkeypatch):
     """fullgraph=True fails on any graph break; forward and gradients equal eager's."""
-    from kernels.srelu24.reference import SReLU24Recipe
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     r = SReLU24Recipe(True, 0.05, True)
@@ -209,7 +209,7 @@ def test_kernel_ffn_compiles_without_a_graph_break(monkeypatch):
 def test_srelu24_module_on_the_kernel_path_compiles_in_one_graph(monkeypatch):
     """The model's FFN module as the trainer compiles it on a GPU (kernel path forced on CPU)."""
     import model.ffn as ffn
-    from kernels.srelu24.reference import SReLU24Recipe
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     monkeypatch.setattr(ffn, "kernels_available", lambda x: True)
@@ -237,7 +237,7 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
     """The one-pass backward kernel writes dZ (feature-dim, permuted rows), S(A24)^T and S(dZ)^T
     bit for bit as the references do, including token counts not a multiple of 32 or 64 (80:
     dZ's rows pad to 128 but the token operands to 96)."""
-    from kernels.srelu24.sparsify_backward import backward_operands, backward_operands_reference
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands, backward_operands_reference
 
     z, da = random_z(t, f, seed=t + 3 * f), random_z(t, f, seed=t * f + 1).flip(0).contiguous()
     g = torch.Generator().manual_seed(f + t)
@@ -254,7 +254,7 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
 
 @pytest.mark.parametrize("bands", [2, 4])
 def test_backward_operands_with_several_bands_per_program(bands):
-    from kernels.srelu24.sparsify_backward import backward_operands, backward_operands_reference
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands, backward_operands_reference
 
     z, da = random_z(96, 256, seed=5), random_z(96, 256, seed=6)
     perm = torch.randperm(96, generator=torch.Generator().manual_seed(7))
@@ -267,7 +267,7 @@ def test_backward_operands_with_several_bands_per_program(bands):
 def test_dz_operand_keeps_the_forward_positions():
     """Without a permutation, the backward's dZ operand names the positions the forward kept:
     its metadata is the forward kernel's, word for word."""
-    from kernels.srelu24.sparsify_backward import backward_operands, dz_sparsify_2to4_reference
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands, dz_sparsify_2to4_reference
 
     z, da = random_z(100, 96 * 2, seed=11), random_z(100, 96 * 2, seed=12)
     got, _, _ = backward_operands(z, da, None, None)
@@ -280,7 +280,7 @@ def test_dz_operand_keeps_the_forward_positions():
 @pytest.mark.gpu
 def test_kernel_ffn_on_cuda_matches_the_reference():
     """cuSPARSELt for real: output and gradients of the kernel FFN against the PyTorch reference."""
-    from kernels.srelu24.reference import SReLU24Recipe, srelu24_ffn
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe, srelu24_ffn
 
     x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     w1, w2 = torch.randn(1024, 256, device="cuda") / 16, torch.randn(256, 1024, device="cuda") / 32
@@ -302,7 +302,7 @@ def test_srelu24_module_compiled_by_inductor_on_cuda():
     """The trainer's compiled path on a GPU: inductor around the custom ops, logged and unlogged
     steps with backward, against eager (same token permutations)."""
     from model.ffn import SReLU24
-    from kernels.srelu24.reference import SReLU24Recipe
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     torch.manual_seed(0)
     m = SReLU24(256, 1024, OpOptions(SReLU24Recipe())).cuda()
@@ -326,7 +326,7 @@ def test_srelu24_module_compiled_by_inductor_on_cuda():
 
 
 def _cuda_kernel_built() -> bool:
-    from kernels.srelu24.native import KERNELS
+    from srelu24_kernels.srelu24.native import KERNELS
     return torch.cuda.is_available() and KERNELS.available(None, (8, 9))
 
 
@@ -339,7 +339,7 @@ def test_backward_operands_on_cuda_equal_reference(backend, t, f, n_dense, permu
     """The one-pass backward kernels on the GPU (Triton, and the CUDA C++ one when built), bit for
     bit against the reference, on fresh random inputs: token counts off the 32/64 tiles, no, some
     and all features dense, with and without the permutation."""
-    from kernels.srelu24.sparsify_backward import backward_operands, backward_operands_reference
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands, backward_operands_reference
 
     z, da = random_z(t, f, seed=t + f, device="cuda"), random_z(t, f, seed=t * f, device="cuda").flip(0).contiguous()
     z[t // 2:, f // 2:] = -z[t // 2:, f // 2:]
@@ -358,7 +358,7 @@ def test_backward_operands_from_a24_equal_reference(t, f, n_dense, permuted):
     """The backward pass reading the forward's compressed A24 (what the FFN keeps) instead of Z:
     bit for bit the reference over Z, on fresh random inputs with zeros, ties and all-zero groups,
     token counts off the tiles, strided dA rows in one case."""
-    from kernels.srelu24.sparsify_backward import backward_operands_from_a24, backward_operands_reference
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands_from_a24, backward_operands_reference
 
     z = random_z(t, f, seed=t + f + 1, device="cuda")
     z[t // 2:, f // 2:] = -z[t // 2:, f // 2:]
@@ -376,7 +376,7 @@ def test_backward_operands_from_a24_equal_reference(t, f, n_dense, permuted):
 @pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` and an sm80/sm90 GPU")
 def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
     """With the CUDA kernels the forward op hands autograd A24 (9/16 of Z's bytes), not Z."""
-    import kernels.srelu24.op as K
+    import srelu24_kernels.srelu24.op as K
 
     x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16) / 16
@@ -390,7 +390,7 @@ def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
 
 
 def test_relu_comes_back_exactly_from_the_rounded_square():
-    """What the backward over A24 relies on (kernels/srelu24/csrc/srelu24_sparsify.cu, relu_from_a24): for every
+    """What the backward over A24 relies on (srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu, relu_from_a24): for every
     bf16 z whose square is a normal bf16, bf16(sqrt(bf16(z^2))) == z, and sqrt(a) stays far enough
     (> 2^-11 relative) from a rounding boundary that an approximate sqrt (error ~2^-22) rounds the same."""
     bits = torch.arange(0x0080, 0x7F80, dtype=torch.int32).to(torch.int16)  # every positive normal bf16
@@ -408,7 +408,7 @@ def test_relu_comes_back_exactly_from_the_rounded_square():
 
 
 def test_backward_operands_from_a24_names_what_it_needs():
-    from kernels.srelu24.sparsify_backward import backward_operands_from_a24
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands_from_a24
 
     da = random_z(100, 128, seed=2)
     with pytest.raises(ValueError, match=r"needs A24 as srelu_sparsify_2to4 writes it for dA's 100 tokens: "
@@ -422,7 +422,7 @@ def test_backward_operands_from_a24_names_what_it_needs():
 @pytest.mark.skipif(not _cuda_kernel_built(), reason="needs `make kernels` and an sm80/sm90 GPU")
 def test_backward_operands_cuda_kernel_reads_strided_rows():
     """Z and dA as row slices of wider buffers (row strides that are not the feature count)."""
-    from kernels.srelu24.sparsify_backward import backward_operands, backward_operands_reference
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands, backward_operands_reference
 
     wide = random_z(500, 384, seed=9, device="cuda")
     z, da = wide[:, :256], random_z(500, 320, seed=10, device="cuda")[:, 64:]
@@ -450,7 +450,7 @@ def test_sparsify_cuda_kernel_equals_reference(m, k, shift):
 
 
 def test_sparsify_backend_errors_name_the_choices(monkeypatch, tmp_path):
-    from kernels.srelu24.native import KERNELS
+    from srelu24_kernels.srelu24.native import KERNELS
 
     z = random_z(32, 64, seed=1)
     with pytest.raises(ValueError, match="one of auto, triton, cuda"):
@@ -462,8 +462,8 @@ def test_sparsify_backend_errors_name_the_choices(monkeypatch, tmp_path):
 
 
 def test_backward_operands_backend_errors_name_the_choices(monkeypatch, tmp_path):
-    from kernels.srelu24.native import KERNELS
-    from kernels.srelu24.sparsify_backward import backward_operands
+    from srelu24_kernels.srelu24.native import KERNELS
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands
 
     z = random_z(32, 64, seed=1)
     with pytest.raises(ValueError, match="one of auto, triton, cuda"):
@@ -481,7 +481,7 @@ def test_dense_rows_and_columns_equal_indexed_assignment(k, d, f):
     """dW1's rows and dW2's columns of the dense features (k not a multiple of the block, d not a
     multiple of 32, F not of 128); every other element keeps its value; inputs that do not agree,
     and strided indices, are refused by name."""
-    from kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns, write_dense_rows
+    from srelu24_kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns, write_dense_rows
 
     g = torch.Generator().manual_seed(k + d)
     dw1, dw2 = torch.randn(f, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16()
@@ -508,7 +508,7 @@ def test_dense_rows_and_columns_equal_indexed_assignment(k, d, f):
 def test_dense_rows_and_columns_write_bf16_gradients_into_fp32_ones_exactly(k, d, f):
     """An fp32 weight's gradient (srelu24's e4m3 mode) gets the dense features' bf16 products
     widened: the same values as the bf16 writes, .float(); other dtype pairs are refused."""
-    from kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns, write_dense_rows
+    from srelu24_kernels.srelu24.sparsify_backward import dense_slots, write_dense_columns, write_dense_rows
 
     g = torch.Generator().manual_seed(k * d)
     dw1, dw2 = torch.randn(f, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16()
@@ -526,7 +526,7 @@ def test_dense_rows_and_columns_write_bf16_gradients_into_fp32_ones_exactly(k, d
 
 
 def test_backward_operands_refuses_slots_that_are_not_dense_slots():
-    from kernels.srelu24.sparsify_backward import backward_operands, dense_slots
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands, dense_slots
 
     z = torch.randn(40, 128).bfloat16()
     dense = torch.tensor([3, 70])
@@ -542,7 +542,7 @@ def test_kernel_ffn_backward_fills_no_zero_gradient_for_z(monkeypatch):
     op's Z output before the backward (a memset of the whole activation on every step)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kernels.srelu24.reference import SReLU24Recipe
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     _cslt_stand_in(monkeypatch)
     g = torch.Generator().manual_seed(2)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.srelu24.reference import SReLU24Recipe
+from srelu24_kernels.srelu24.reference import SReLU24Recipe
 from model import FFN_REGISTRY, FFNConfig, ModelConfig, Transformer, ffn_hidden_dim, model_size, register_ffn
 from model.ffn import FFN, SReLU, SReLU24, SwiGLU, build_ffn
 from model.transformer import HF_NAMES, Attention, RMSNorm, apply_rope, rope_tables

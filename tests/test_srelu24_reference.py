@@ -1,4 +1,4 @@
-"""Tests of the 2:4 activation-sparsity reference (kernels/srelu24/reference.py) and of the srelu24 FFN
+"""Tests of the 2:4 activation-sparsity reference (srelu24_kernels/srelu24/reference.py) and of the srelu24 FFN
 module built on it. The backward is checked against a manual computation of the recipe in
 docs/METHOD.md, The recipe: forward mask re-applied to dZ, weight gradients 2:4 along tokens
 after a token permutation, the densest features kept dense."""
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import model.ffn as ffn_mod
 from model import FFNConfig, ModelConfig, Transformer
 from model.ffn import SReLU, SReLU24
-from kernels.srelu24.options import OpOptions
-from kernels.srelu24.reference import SReLU24Recipe, densest_features, mask_2to4, sparsify_tokens_2to4, srelu24_ffn
+from srelu24_kernels.srelu24.options import OpOptions
+from srelu24_kernels.srelu24.reference import SReLU24Recipe, densest_features, mask_2to4, sparsify_tokens_2to4, srelu24_ffn
 
 pytestmark = pytest.mark.filterwarnings("ignore:srelu24. using the pure-PyTorch")
 
@@ -482,7 +482,7 @@ def test_transformer_set_2to4_flips_every_layer():
 def test_random_token_order_is_an_int32_permutation_from_the_cpu_generator():
     """Drawn on the host (a GPU randperm is a dozen sort launches per layer), reproducible from
     torch.manual_seed, on the device asked for."""
-    from kernels.srelu24.reference import random_token_order
+    from srelu24_kernels.srelu24.reference import random_token_order
 
     torch.manual_seed(5)
     a = random_token_order(1000, "cpu")

@@ -7,8 +7,8 @@ import torch
 
 from helpers import run_train, tiny_overrides, write_corpus
 from model import FFN_REGISTRY, FFNConfig, ModelConfig, Transformer
-from kernels.srelu24.reference import mask_2to4
-from kernels.ffn_stats import (DENSE_FEATURE_DENSITY, N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, derive,
+from srelu24_kernels.srelu24.reference import mask_2to4
+from srelu24_kernels.ffn_stats import (DENSE_FEATURE_DENSITY, N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, derive,
                          srelu24_sums)
 from training.metrics import PEAK_BF16_TFLOPS, Throughput, peak_flops
 
@@ -128,7 +128,7 @@ def test_offline_wandb_run_has_per_layer_keys(tmp_path):
 @pytest.mark.parametrize("sparse", [False, True])
 def test_fused_sums_on_cuda_equal_the_eager_ones(sparse):
     """On CUDA the sums run through torch.compile: same numbers as the eager definition."""
-    from kernels.ffn_stats import _dense_sums, _srelu24_sums
+    from srelu24_kernels.ffn_stats import _dense_sums, _srelu24_sums
 
     a = (torch.relu(torch.randn(4096, 1024, device="cuda") - 0.5) ** 2).bfloat16()
     mask = mask_2to4(a)

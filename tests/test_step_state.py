@@ -1,4 +1,4 @@
-"""srelu24's step state (kernels/srelu24/options.py StepState, model/ffn.py srelu24_step): the e4m3
+"""srelu24's step state (srelu24_kernels/srelu24/options.py StepState, model/ffn.py srelu24_step): the e4m3
 weight conversions made once per optimizer step, and the op adding its weight gradients into the
 weights' .grad. The kernels that add (CPU: TRITON_INTERPRET), the op against autograd over
 micro-batches (CPU fallbacks; on a GPU the e4m3 path, eager and compiled), what train_step opens
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from helpers import cpu_scaled_mm_runs
-from kernels.float8 import gemm as fp8_gemm
-from kernels.float8 import sparse as fp8_sparse
-from kernels.srelu24.options import OpOptions
-from kernels.srelu24.reference import SReLU24Recipe
-from kernels.srelu24.sparsify_backward import dense_slots, write_dense_rows
+from srelu24_kernels.float8 import gemm as fp8_gemm
+from srelu24_kernels.float8 import sparse as fp8_sparse
+from srelu24_kernels.srelu24.options import OpOptions
+from srelu24_kernels.srelu24.reference import SReLU24Recipe
+from srelu24_kernels.srelu24.sparsify_backward import dense_slots, write_dense_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -238,7 +238,7 @@ def test_the_compiled_module_takes_each_steps_state_without_recompiling(monkeypa
 def test_tokens_the_block_permuted_reach_the_op_as_no_permutation_of_its_own(monkeypatch):
     """The recipe permutes tokens; where the block has done so (tokens_permuted) the op is told not
     to draw an order of its own, else it is told to."""
-    import kernels.srelu24.op as op
+    import srelu24_kernels.srelu24.op as op
 
     _cpu_kernel_path(monkeypatch, "rowwise", False)
     seen, real = [], op.ffn_forward

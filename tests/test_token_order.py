@@ -4,8 +4,8 @@ function and the same gradients."""
 import pytest
 import torch
 
-import kernels.srelu24.reference as ref
-from kernels.srelu24.reference import permute_rows, random_token_orders
+import srelu24_kernels.srelu24.reference as ref
+from srelu24_kernels.srelu24.reference import permute_rows, random_token_orders
 from model import FFNConfig, ModelConfig, Transformer
 from model.transformer import Block, rope_tables
 

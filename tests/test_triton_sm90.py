@@ -13,8 +13,8 @@ SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.float8 import cast as fp8_cast, gemm as fp8_gemm, sparse as fp8_sparse
-from kernels.srelu24 import sparsify_backward as srelu24_sparsify_backward
+from srelu24_kernels.float8 import cast as fp8_cast, gemm as fp8_gemm, sparse as fp8_sparse
+from srelu24_kernels.srelu24 import sparsify_backward as srelu24_sparsify_backward
 
 CAST = {"x_ptr": "*bf16", "s_ptr": "*fp32", "out_ptr": "*u8", "M": "i32", "N": "i32", "stride_m": "i32",
         "stride_n": "i32", "SCALE": "constexpr", "TRANSPOSE": "constexpr", "E5M2": "constexpr", "FMAX": "constexpr",

@@ -12,8 +12,8 @@ srelu24's w1 and w2 convert like the rest (its dense warmup runs them as Float8L
 phase the custom op reads their weights directly and takes the recipe from its own options, which
 the model is built with (`Transformer(..., float8=)`; `convert` checks they agree): the op's two
 dense GEMMs (Z = X W1^T, dA = dY W2) then run in float8, scaled as torchao scales
-(kernels/float8/gemm.py), and its four 2:4 GEMMs in e4m3 with row-wise power-of-2 scales under
-either recipe (kernels/float8/sparse.py; ffn.sparse_float8=false keeps them bf16). Its PyTorch
+(srelu24_kernels/float8/gemm.py), and its four 2:4 GEMMs in e4m3 with row-wise power-of-2 scales under
+either recipe (srelu24_kernels/float8/sparse.py; ffn.sparse_float8=false keeps them bf16). Its PyTorch
 reference path (ffn.kernels=false) stays bf16.
 
 The recipes are torchao's (Float8LinearConfig.from_recipe_name):
@@ -41,7 +41,7 @@ import os
 import torch
 import torch.nn as nn
 
-from kernels.float8 import scaled_mm_shapes
+from srelu24_kernels.float8 import scaled_mm_shapes
 
 from .config import Float8
 from .errors import ConfigError

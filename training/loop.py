@@ -23,7 +23,7 @@ from data.errors import DataError
 from data.loader import TokenLoader
 from data.shards import prepare
 from model import Transformer, ffn_hidden_dim, model_size
-from kernels.ffn_stats import derive
+from srelu24_kernels.ffn_stats import derive
 
 from .checkpoint import (Checkpointer, check_model_shape, find_resume_checkpoint, load_into, load_rank_state,
                          model_shape, rng_state, set_rng_state)

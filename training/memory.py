@@ -26,8 +26,8 @@ accumulation the peak is the larger of (start of the backward: weights + AdamW +
 transient) and (the optimizer step: weights + AdamW + gradients). With accumulation (the trainer's
 batch_size > micro_batch_size x world size) the gradients of the earlier micro-batches are there
 throughout, and so, for srelu24 with trainer.float8 and its 2:4 GEMMs in e4m3 on fp32 weights (no
-FSDP), are its kept e4m3 weight conversions (kernels/weight_casts.py): four of d x F bytes per
-layer, until the optimizer step.
+FSDP), are its kept e4m3 weight conversions (srelu24_kernels/srelu24/op.py, convert_weights): four
+of d x F bytes per layer, until the optimizer step.
 
 The two per-token constants of the transients (16 bytes per d, 8 per parameter) and the 20 bytes
 per d of the block's kept activations are calibrated against torch.cuda.max_memory_allocated of

@@ -1,6 +1,6 @@
-"""The shared library built from kernels/srelu24/csrc by make, loaded once through ctypes.
+"""The shared library built from srelu24_kernels/srelu24/csrc by make, loaded once through ctypes.
 
-KERNELS, build/srelu24_kernels.so (`make kernels`, kernels/srelu24/csrc/srelu24_sparsify.cu; optional, for
+KERNELS, build/srelu24_kernels.so (`make kernels`, srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu; optional, for
 GPU machines with nvcc, the README says how to build it): CUDA C++ versions of the forward's and
 the backward's sparsify kernels, preferred to the Triton ones. Without it they fall back to Triton.
 The environment variable SRELU24_KERNELS_LIB names another path for it.

@@ -5,7 +5,7 @@ id 0, torch's default, is slower than dense; benchmarks/RESULTS.md).
     sparse operand  the bf16 compressed buffer the sparsify kernels write, converted: each row's
                     kept values times a power-of-2 scale that brings its amax under 448 (e4m3's
                     largest), rounded to e4m3; the metadata permuted into the e4m3 layout
-                    (kernels/cusparselt/layout.py). A row is one of M: its scale factors out of the product.
+                    (srelu24_kernels/cusparselt/layout.py). A row is one of M: its scale factors out of the product.
     dense operand   B [K, N] in e4m3, K-major (fp8 tensor cores read both operands along K), one
                     power-of-2 scale per column of B (each of N).
     product         e4m3 x e4m3 with fp32 accumulation, written as bf16 unscaled, then each
@@ -126,7 +126,7 @@ def rows_to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
-    """A bf16 compressed 2:4 buffer of an [m, k] matrix (kernels/cusparselt/layout.py) as an e4m3 one
+    """A bf16 compressed 2:4 buffer of an [m, k] matrix (srelu24_kernels/cusparselt/layout.py) as an e4m3 one
     (float8_e4m3fn [m, 5k/8]) and its row scales [m]: the e4m3 matrix is the bf16 one times its
     scales. Values and metadata in one launch."""
     check_shape_e4m3(m, k)
@@ -164,7 +164,7 @@ def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, M, N, DENSE
     the reciprocals rounded as torch's (div_rn; exact for powers of 2, NaN for NaN), so no launches
     for them. DENSE_COLUMNS: out is dW2 [d, F], and a dense feature's column j (slot[j] >= 0) is
     g [k, d]'s row slot[j] instead, as write_dense_columns would store it, in the same pass.
-    ACCUMULATE: out += that instead (a weight's .grad, which the op adds into: kernels/srelu24/op.py)."""
+    ACCUMULATE: out += that instead (a weight's .grad, which the op adds into: srelu24_kernels/srelu24/op.py)."""
     i = tl.program_id(0) * BM + tl.arange(0, BM)
     j = tl.program_id(1) * BN + tl.arange(0, BN)
     m = (i[:, None] < M) & (j[None, :] < N)
@@ -259,8 +259,8 @@ def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool,
 def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False,
               b_e4m3: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
-    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as kernels.srelu24.op.sparse_mm.
-    b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's, kept for an optimizer step: kernels/srelu24/options.py)."""
+    in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as srelu24_kernels.srelu24.op.sparse_mm.
+    b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's, kept for an optimizer step: srelu24_kernels/srelu24/options.py)."""
     return _sparse_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), transpose_result)
 
 
@@ -284,7 +284,7 @@ def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, trans
                         out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
                         accumulate_into: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
-    of B: a weight gradient's 2:4 product and its dense features' rows (kernels/srelu24/op.py).
+    of B: a weight gradient's 2:4 product and its dense features' rows (srelu24_kernels/srelu24/op.py).
     out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
     stay bf16 (dense_mm's), widened where write_dense_rows/columns store them. slots (dW2, with
     transpose_result): the dense rows go into the product's columns in its unscaling pass instead,

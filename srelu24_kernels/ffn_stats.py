@@ -84,7 +84,7 @@ def srelu24_sums(a: Tensor, mask: Optional[Tensor], dense_fraction: float, spars
 @torch.compiler.disable
 def srelu24_sums_from_counts(kept: Tensor, totals: Tensor, tokens: int, dense_fraction: float) -> Tensor:
     """The row srelu24_sums(a, None, dense_fraction, sparse=True) gives, built from what the fused
-    sparsify kernel already reduced in its pass (kernels/srelu24/sparsify.py): kept non-zeros per
+    sparsify kernel already reduced in its pass (srelu24_kernels/srelu24/sparsify.py): kept non-zeros per
     feature [F] and totals [non-zeros, sum a^2, dropped sum a^2]. Small [F]-sized work only."""
     features = kept.shape[0]
     k = max(1, int(round(dense_fraction * features)))

@@ -1,6 +1,6 @@
 """cuSPARSELt's compressed layout of a 2:4 bf16 matrix on sm90, in pure PyTorch.
 
-The reference for the fused sparsify kernel (kernels/srelu24/sparsify.py). The layout was worked out
+The reference for the fused sparsify kernel (srelu24_kernels/srelu24/sparsify.py). The layout was worked out
 and verified byte-for-byte against `torch._cslt_compress` (docs/METHOD.md, cuSPARSELt's compressed layout (sm90)):
 
 - values: [M, K/2] row-major, for each group of 4 along K its 2 kept values in position order;

@@ -1,8 +1,8 @@
 // The srelu24 FFN's sparsify passes in CUDA C++: the forward's srelu + 2:4 + compress, and the
 // backward's three sparse operands from one pass over Z and dA.
 //
-// Same contracts as the Triton kernels `_srelu_sparsify_2to4_kernel` (kernels/srelu24/sparsify.py, counts
-// on, no statistics totals) and `_backward_operands_kernel` (kernels/srelu24/sparsify_backward.py, the
+// Same contracts as the Triton kernels `_srelu_sparsify_2to4_kernel` (srelu24_kernels/srelu24/sparsify.py, counts
+// on, no statistics totals) and `_backward_operands_kernel` (srelu24_kernels/srelu24/sparsify_backward.py, the
 // forward mask re-used), and bit-identical to them and to their PyTorch references for finite inputs
 // (where dA holds Inf or NaN, or Z is NaN, they may disagree: the kernels take max(z, 0), which drops
 // NaN, the Triton kernels' bf16 rounding turns NaN into -0.0, and this file's keys rank NaN highest):
@@ -26,7 +26,7 @@
 //                token-dimension operand: 4 whole metadata words, and 2 x 32 contiguous bytes of values
 //                (stored as whole 32-byte sectors together with the neighbouring lane).
 //
-// Build: make kernels (build/srelu24_kernels.so); loaded by kernels/srelu24/native.py through ctypes.
+// Build: make kernels (build/srelu24_kernels.so); loaded by srelu24_kernels/srelu24/native.py through ctypes.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -43,7 +43,7 @@ constexpr int kThreads = 128;
 #define SRELU24_BW_MIN_BLOCKS 8
 #endif
 
-// The 2:4 selection of one group (as kernels.srelu24_sparsify.top2_of_4): the 2 largest magnitudes win,
+// The 2:4 selection of one group (as srelu24_kernels.srelu24_sparsify.top2_of_4): the 2 largest magnitudes win,
 // ties to the lower position. m0..m3 are magnitudes as bf16 bits without the sign (for finite values
 // their integer order is the float order); key = m << 2 | (3 - position) makes them distinct with
 // the tie-break built in, so the kept pair is the keys >= the second largest key.
@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
 
 extern "C" {
 
-// Bumped whenever an exported signature changes; kernels/srelu24/native.py checks it.
+// Bumped whenever an exported signature changes; srelu24_kernels/srelu24/native.py checks it.
 int srelu24_kernels_abi_version() { return 3; }
 
 // z: [M, K] bf16 (row stride in elements); val/meta: A24's compressed values and metadata ([Mp, K]

@@ -16,7 +16,7 @@ Reference: `backward_operands_reference`, which the kernel must match bit for bi
 inputs (NaN or Inf in dA, NaN in Z, and the sign of zeros made from a -0.0 in Z may differ: the
 kernel takes max(z, 0) where torch's relu can keep -0.0).
 
-A CUDA C++ version of the same pass (kernels/srelu24/csrc/srelu24_sparsify.cu, `make kernels`) is used
+A CUDA C++ version of the same pass (srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu, `make kernels`) is used
 instead when it is built, in a variant that reads the forward's compressed A24 in place of Z
 (`backward_operands_from_a24`: the FFN then keeps 9/16 of Z's bytes for its backward): this Triton kernel is instruction-bound, because cuSPARSELt's 2:4 metadata
 layout packs nibbles of rows 8 apart into one word, which costs Triton cross-thread reductions
@@ -261,7 +261,7 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
     """Fused backward_operands_reference. z, da: [T, F] row-major bf16, F % 64 == 0; perm: [T]
     token order (None: identity); dense: feature indices kept dense (None: none); slots:
     dense_slots(dense, F) where the caller has them already.
-    backend: "cuda" (kernels/srelu24/csrc/srelu24_sparsify.cu), "triton", or "auto": cuda where
+    backend: "cuda" (srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu), "triton", or "auto": cuda where
     `cuda_usable`, else triton. bands, num_warps: the Triton launch; the defaults were the fastest
     of bands 1-8 x warps 4-16 on the H200 at 1B and 7B (benchmarks/RESULTS.md)."""
     T, Fh = z.shape
@@ -375,7 +375,7 @@ def write_dense_rows(dw1: Tensor, dense: Tensor, g: Tensor, accumulate: bool = F
     """dw1[dense] = g in place (dw1 [F, d], g [k, d], dense [k] feature indices): dW1's rows of
     the dense features, zero in the sparse product, get their exact values. g bf16 into an fp32 dw1
     is widened as stored (an fp32 weight's gradient). accumulate: dw1[dense] += g (dw1 a weight's
-    .grad that the sparse product was added into: kernels/srelu24/op.py)."""
+    .grad that the sparse product was added into: srelu24_kernels/srelu24/op.py)."""
     k, D = g.shape
     _check_dense_write("write_dense_rows", dw1, dense, g, (dw1.shape[0], D), (k,))
     if k:

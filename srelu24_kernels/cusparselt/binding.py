@@ -9,11 +9,11 @@ the plan are built once per (shape, layout, algorithm) and kept; a call is one
 
 The descriptors are the ones `torch._cslt_sparse_mm` sets up (aten/src/ATen/native/sparse/cuda/
 cuSPARSELtOps.cpp), so the compressed operand is the same buffer: A [m, k] 2:4 row-major
-(compressed, as kernels/srelu24/sparsify*.py write it), B [k, n] row-major or the transpose of a
+(compressed, as srelu24_kernels/srelu24/sparsify*.py write it), B [k, n] row-major or the transpose of a
 row-major [n, k], D [m, n] row-major bf16 (or column-major: torch's `transpose_result`, the product
 returned as its transpose [n, m], which is how the weight gradient dW2 is wanted), fp32 accumulation.
 A and B in bf16, or both in e4m3 (B then K-major, the transpose of a row-major [n, k]; D still bf16:
-kernels/float8/sparse.py). The library is the one torch
+srelu24_kernels/float8/sparse.py). The library is the one torch
 loaded. Each new plan's product is checked once against torch's; any failure (library not
 found, an error status, a different product) falls back to torch._cslt_sparse_mm with a
 warning, so this can only make the GEMM cheaper to launch, never wrong. Inputs it was not built

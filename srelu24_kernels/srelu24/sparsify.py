@@ -2,9 +2,9 @@
 directly in cuSPARSELt's sm90 compressed layout (the operand of `torch._cslt_sparse_mm`),
 plus the per-feature count of kept non-zeros (for the dense-feature split).
 
-Reference: `srelu_sparsify_2to4_reference` (PyTorch: kernels.srelu24.reference.mask_2to4 +
-kernels.cusparselt.layout.compress). The Triton kernel must match it bit for bit, and so must the
-CUDA C++ version (kernels/srelu24/csrc/srelu24_sparsify.cu, `make kernels`), which runs instead where it
+Reference: `srelu_sparsify_2to4_reference` (PyTorch: srelu24_kernels.srelu24.reference.mask_2to4 +
+srelu24_kernels.cusparselt.layout.compress). The Triton kernel must match it bit for bit, and so must the
+CUDA C++ version (srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu, `make kernels`), which runs instead where it
 is built, except on logged steps (the statistics totals are the Triton kernel's).
 
 A 64x32 tile's 512 metadata nibbles are 128 consecutive 16-bit words: word 4p + m (p = 8c + a
@@ -59,7 +59,7 @@ def round_to_bf16(x):
 def top2_of_4(v0, v1, v2, v3):
     """2:4 selection of groups given as 4 same-shaped tensors (one per position): keep masks,
     kept positions p0 < p1, and kept values x0, x1. The 2 largest magnitudes win; ties go to
-    the lower position (as kernels.srelu24.reference.mask_2to4)."""
+    the lower position (as srelu24_kernels.srelu24.reference.mask_2to4)."""
     a0, a1, a2, a3 = tl.abs(v0), tl.abs(v1), tl.abs(v2), tl.abs(v3)
     # b_ij: j strictly beats i (i < j)
     b01, b02, b03 = (a1 > a0).to(tl.int32), (a2 > a0).to(tl.int32), (a3 > a0).to(tl.int32)
@@ -81,7 +81,7 @@ def _srelu_sparsify_2to4_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, totals_ptr
     """Program (chunk, band group): one 32-column chunk of BANDS 64-row bands. Per band, two
     [32 rows, 32 cols] loads (rows 16c + 8b + a for b = 0, 1), viewed as [32, h, m, 4].
     TOTALS (logged steps): also add [non-zeros, sum a^2, dropped sum a^2] of the activation
-    a = relu(Z)^2 to totals_ptr (for kernels/ffn_stats.py)."""
+    a = relu(Z)^2 to totals_ptr (for srelu24_kernels/ffn_stats.py)."""
     kc = tl.program_id(0)
     p = tl.arange(0, 32)                        # row pair p = 8c + a
     m = tl.arange(0, 4)
@@ -141,7 +141,7 @@ _CUDA_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64, ctype
 
 
 def cuda_usable(z: Tensor, counts: bool = True, totals: Optional[Tensor] = None) -> bool:
-    """The CUDA kernel (kernels/srelu24/csrc/srelu24_sparsify.cu, `make kernels`) can run this call: built, an
+    """The CUDA kernel (srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu, `make kernels`) can run this call: built, an
     sm80/sm90 GPU, 16-byte aligned rows, features a multiple of 64, with the counts and without
     the statistics totals (logged steps run the Triton kernel)."""
     return counts and totals is None and z.shape[1] % 64 == 0 and kernels_usable(z)

@@ -1,11 +1,11 @@
 """The srelu24 FFN on sparse tensor cores: the fused sparsify passes + cuSPARSELt, as a custom op.
 
-Same function as kernels.srelu24.reference.srelu24_ffn (its reference), GEMM by GEMM:
+Same function as srelu24_kernels.srelu24.reference.srelu24_ffn (its reference), GEMM by GEMM:
 
-    forward   Z = X W1^T                 dense (float8 under trainer.float8: kernels/float8/gemm.py)
+    forward   Z = X W1^T                 dense (float8 under trainer.float8: srelu24_kernels/float8/gemm.py)
               A24 = srelu + 2:4 + compress, one pass (sparsify.py)
               Y = A24 W2^T               sparse (e4m3 under trainer.float8 unless ffn.sparse_float8=false,
-                                         as the other three sparse GEMMs: kernels/float8/sparse.py)
+                                         as the other three sparse GEMMs: srelu24_kernels/float8/sparse.py)
               kept for the backward: compressed A24 (9/16 of Z's bytes) where the CUDA backward
               kernel is built, else Z (the Triton backward reads Z); `keeps_a24` decides, and the
               backward is told which
@@ -32,7 +32,7 @@ The backward's modes, and who sets them:
 Weights: bf16, or in e4m3 mode fp32 as the model keeps them (every use of a weight there is an e4m3
 conversion that reads fp32, and the weight gradients are written in fp32, so autograd casts
 neither). x is bf16 (the autocast dtype). Tokens are padded for the sparse operands
-(kernels/cusparselt/layout.py: `padded`).
+(srelu24_kernels/cusparselt/layout.py: `padded`).
 
 cuSPARSELt was chosen over CUTLASS's sm90 2:4 GEMM by measurement: CUTLASS was not faster at these
 shapes and needed its own metadata layout and build (lab/LOG.md).
@@ -79,7 +79,7 @@ def _check_dtypes(op: str, w1: Tensor, w2: Tensor, **tensors: Tensor) -> None:
     bad = [f"{k} {t.dtype}" for k, t in tensors.items() if t.dtype != torch.bfloat16]
     bad += [f"{k} {t.dtype}" for k, t in (("w1", w1), ("w2", w2)) if t.dtype not in (torch.bfloat16, torch.float32)]
     if bad:
-        raise ValueError(f"srelu24::{op} needs bf16 inputs and bf16 or fp32 weights (kernels.srelu24.op.ffn casts "
+        raise ValueError(f"srelu24::{op} needs bf16 inputs and bf16 or fp32 weights (srelu24_kernels.srelu24.op.ffn casts "
                          f"them), got {', '.join(bad)}")
 
 

@@ -17,7 +17,7 @@ S() re-sparsifies 2:4 along TOKENS, per feature, after a random token permutatio
 except for the densest `dense_feature_fraction` of features, which stay dense.
 
 `mask_2to4` is the 2:4 selection: the one definition every path (this reference, the
-statistics in kernels/ffn_stats.py, the kernels' tests) uses.
+statistics in srelu24_kernels/ffn_stats.py, the kernels' tests) uses.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -173,7 +173,7 @@ class _SReLU24(torch.autograd.Function):
 def srelu24_ffn(x: Tensor, w1: Tensor, w2: Tensor, recipe: SReLU24Recipe,
                 stats: Optional[Tensor] = None) -> Tensor:
     """Y = (mask_2to4 * relu(X W1^T)^2) W2^T with the 2:4 backward of the recipe.
-    x: [..., d], w1: [F, d], w2: [d, F]. `stats`, if given, is a sums buffer (kernels/ffn_stats.py)
+    x: [..., d], w1: [F, d], w2: [d, F]. `stats`, if given, is a sums buffer (srelu24_kernels/ffn_stats.py)
     that the forward adds to."""
     shape = x.shape
     y = _SReLU24.apply(x.reshape(-1, shape[-1]), w1, w2, recipe, stats)

@@ -1,8 +1,8 @@
-"""Dense float8 GEMMs for the srelu24 custom op (kernels/srelu24/op.py): with trainer.float8 set,
+"""Dense float8 GEMMs for the srelu24 custom op (srelu24_kernels/srelu24/op.py): with trainer.float8 set,
 its Z = X W1^T (forward) and dA = dY W2 (backward) run through torch._scaled_mm, scaled as
 torchao's float8 training recipes scale the Float8Linear modules around it
 (torchao.float8.Float8LinearConfig.from_recipe_name; tests/test_float8.py checks the casts against
-torchao's own). Its 2:4 GEMMs are kernels/float8/sparse.py's.
+torchao's own). Its 2:4 GEMMs are srelu24_kernels/float8/sparse.py's.
 
     recipe      forward operands   gradient operand dY   one scale per                  accumulation
     tensorwise  e4m3               e5m2                  tensor                         fast in the forward
@@ -11,7 +11,7 @@ torchao's own). Its 2:4 GEMMs are kernels/float8/sparse.py's.
 
 scale = fp8 max / max(amax, 1e-12) (float64, then float32: torchao's amax_to_scale; on a GPU one
 Triton launch computes it and its reciprocal); values are scaled in fp32, saturated to +-max and
-cast (on a GPU in one Triton pass, kernels/float8/cast.py, which also writes B column-major);
+cast (on a GPU in one Triton pass, srelu24_kernels/float8/cast.py, which also writes B column-major);
 torch._scaled_mm takes the scales' reciprocals and writes bf16. On a GPU, rowwise's scales come
 from the amax's bits instead (cast.pow2_scale, the largest power of 2 with amax * s <= 448):
 the same as torchao's for a bf16 amax; for an fp32 one, half of torchao's where its float32 log2
@@ -172,7 +172,7 @@ def to_float8(t: Tensor, dtype: torch.dtype, dim, pow2: bool, column_major: bool
 def b_operand(b: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
     """b [K, N] as _scaled_mm's B: in e4m3, column-major, scaled per column (rowwise) or as a whole,
     and the reciprocal of its scale. mm's conversion of b, on its own so that a weight's can be kept
-    (an optimizer step keeps them: kernels/srelu24/options.py, StepState)."""
+    (an optimizer step keeps them: srelu24_kernels/srelu24/options.py, StepState)."""
     r = RECIPES[recipe]
     b8, _, ib = to_float8(b, E4M3, 0 if r.rowwise else None, r.pow2_scales, column_major=True)
     return b8, ib

@@ -1,5 +1,5 @@
-"""Scaled casts to float8 in one Triton pass, for srelu24's own float8 GEMMs (kernels/float8/gemm.py,
-kernels/float8/sparse.py): the srelu24 custom op runs outside torch.compile's graph, where PyTorch
+"""Scaled casts to float8 in one Triton pass, for srelu24's own float8 GEMMs (srelu24_kernels/float8/gemm.py,
+srelu24_kernels/float8/sparse.py): the srelu24 custom op runs outside torch.compile's graph, where PyTorch
 would spend six passes over the tensor on `(t.float() * scale).clamp(-max, max).to(dtype)`, more
 time than the float8 GEMMs it feeds.
 
