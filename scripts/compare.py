@@ -23,7 +23,9 @@ tokens/s are also given for each phase apart (dense warmup, 2:4), each without i
 Where the trainer logged NVML's readings (a CUDA GPU with nvidia-ml-py), the SM clock, the power
 and the energy per token (each interval's power over its tokens/s; srelu24's 2:4 phase apart) are
 medians over the same intervals: on a power-capped GPU the variant that draws more power per
-cycle runs at a lower clock, so tokens/s follows energy per token.
+cycle runs at a lower clock, so tokens/s follows energy per token. (An interval's NVML readings
+also cover its evaluation, which its tokens/s leaves out: such an interval's energy per token is
+low, and the median over the run's intervals passes over it.)
 
 Time (--time): each log row's tokens/s covers the training steps since the previous log row, and
 neither evaluation nor checkpoints (training/metrics.py pauses its interval for them), so

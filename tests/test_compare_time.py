@@ -246,19 +246,28 @@ def test_clock_power_and_energy_per_token_over_the_steady_intervals(tmp_path, ca
     token each interval's W / tokens/s; srelu24's 2:4 phase apart, without its switch interval.
     A run logged without NVML's readings shows none."""
     m = tmp_path / "multirun"
-    power = [300.0] + [700.0] * 3 + [500.0] * 6  # compile, dense; 2:4 (the switch at 500 W too)
+    power = [300.0] + [700.0] * 3 + [500.0] * 3 + [600.0] * 3  # compile, dense (and the switch); 2:4
     clock = [1980.0] + [1500.0] * 3 + [1600.0] * 6
     run = make_run(m, "0_srelu24", "srelu24", "tensorwise", speeds=SRELU24_SPEEDS, modes=SRELU24_MODES,
                    val=[5.0, 4.0, 3.5, 3.2, 3.0], power=power, clock=clock)
     make_run(m, "1_srelu", "srelu", "tensorwise", speeds=[100.0] + [1000.0] * 9, val=[5.0, 4.0, 3.5, 3.2, 3.1])
     r = compare.summarize(run)
-    assert r["sm_clock_mhz"] == 1600.0 and r["power_w"] == 500.0
-    # intervals 2-10: 700/1000 (x2), 500/50 (the switch), 500/1250 (x6) -> sorted, the 5th: 400 mJ
-    assert r["mj_per_token"] == pytest.approx(400.0)
-    assert r["mj_per_token_24"] == pytest.approx(1000 * 500.0 / 1250.0)  # the switch interval left out
+    assert r["sm_clock_mhz"] == 1600.0 and r["power_w"] == 600.0
+    # mJ/token of intervals 2-10: 700 (x2, dense), 14000 (the switch: 700 W at 50 tokens/s),
+    # 400 (x3) and 480 (x3) in 2:4 -> the 5th of 9 sorted: 480
+    assert r["mj_per_token"] == pytest.approx(480.0)
+    # 2:4 alone without the switch: 400 (x3), 480 (x3) -> 440; with it, the median would be 480
+    assert r["mj_per_token_24"] == pytest.approx(440.0)
     assert compare.main([str(m), "--out", str(tmp_path / "rep"), "--wandb", "disabled"]) == 0
     rows = read_csv(tmp_path / "rep" / "summary.csv")
-    assert float(rows["srelu24"]["mj_per_token_24"]) == pytest.approx(400.0)
+    assert float(rows["srelu24"]["mj_per_token_24"]) == pytest.approx(440.0)
     assert rows["srelu"]["mj_per_token"] == "" and rows["srelu"]["power_w"] == ""
     table = capsys.readouterr().out
-    assert "| mJ/token |" in table and "| 400.00 | 400.00 |" in table
+    assert "| mJ/token |" in table and "| 480.00 | 440.00 |" in table
+
+
+def test_energy_per_token_needs_power_and_a_positive_rate():
+    assert compare.mj_per_token({"gpu_power_w": 500.0, "tokens_per_s": 1000.0}) == pytest.approx(500.0)
+    assert compare.mj_per_token({"gpu_power_w": 500.0, "tokens_per_s": 0.0}) is None
+    assert compare.mj_per_token({"tokens_per_s": 1000.0}) is None
+    assert compare.mj_per_token({"gpu_power_w": float("nan"), "tokens_per_s": 1000.0}) is None

@@ -124,7 +124,7 @@ def test_fused_kernel_feeds_cusparselt(m, k):
 
 @pytest.mark.parametrize("recipe", [(True, 0.05, True), (False, 0.0, True), (True, 0.1, False)])
 def test_kernel_ffn_equals_the_reference(monkeypatch, recipe):
-    """The whole kernel FFN (forward and the three gradients) against srelu24_kernels.srelu24_reference's reference.
+    """The whole kernel FFN (forward and the three gradients) against srelu24_kernels.srelu24.reference.
     On CPU, cuSPARSELt's product is stood in for by decompress + matmul, so this checks every
     kernel and the plumbing around the GEMMs; the GPU test below uses the real one."""
     from srelu24_kernels.srelu24.reference import SReLU24Recipe, srelu24_ffn

@@ -43,7 +43,7 @@ constexpr int kThreads = 128;
 #define SRELU24_BW_MIN_BLOCKS 8
 #endif
 
-// The 2:4 selection of one group (as srelu24_kernels.srelu24_sparsify.top2_of_4): the 2 largest magnitudes win,
+// The 2:4 selection of one group (as srelu24_kernels.srelu24.sparsify.top2_of_4): the 2 largest magnitudes win,
 // ties to the lower position. m0..m3 are magnitudes as bf16 bits without the sign (for finite values
 // their integer order is the float order); key = m << 2 | (3 - position) makes them distinct with
 // the tie-break built in, so the kept pair is the keys >= the second largest key.
