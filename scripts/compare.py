@@ -21,11 +21,11 @@ seed. metrics.jsonl is the source of truth. Throughput and MFU are medians over 
 after the first ~10% (at least the first one), which include warm-up and compilation; srelu24's
 tokens/s are also given for each phase apart (dense warmup, 2:4), each without its first interval.
 Where the trainer logged NVML's readings (a CUDA GPU with nvidia-ml-py), the SM clock, the power
-and the energy per token (each interval's power over its tokens/s; srelu24's 2:4 phase apart) are
-medians over the same intervals: on a power-capped GPU the variant that draws more power per
-cycle runs at a lower clock, so tokens/s follows energy per token. (An interval's NVML readings
-also cover its evaluation, which its tokens/s leaves out: such an interval's energy per token is
-low, and the median over the run's intervals passes over it.)
+and the energy per token (each interval's joules from the card's energy counter over its tokens,
+or, in runs logged before the trainer recorded joules, its median power over its tokens/s, those
+readings covering its evaluations too; srelu24's 2:4 phase apart) are medians over the same intervals: on a power-capped GPU the
+variant that draws more power per cycle runs at a lower clock, so tokens/s follows energy per
+token.
 
 Time (--time): each log row's tokens/s covers the training steps since the previous log row, and
 neither evaluation nor checkpoints (training/metrics.py pauses its interval for them), so
@@ -165,8 +165,10 @@ def phase_medians(timed: list[dict], value=lambda r: r.get("tokens_per_s")) -> d
 
 
 def mj_per_token(row: dict) -> Optional[float]:
-    """A log interval's energy per token in mJ: its median power over its tokens/s (None without
-    NVML's readings)."""
+    """A log interval's energy per token in mJ: the trainer's, from the card's energy counter
+    (gpu_mj_per_token), else its median power over its tokens/s (None without NVML's readings)."""
+    if finite(row.get("gpu_mj_per_token")):
+        return row["gpu_mj_per_token"]
     w, rate = row.get("gpu_power_w"), row.get("tokens_per_s")
     return 1000 * w / rate if finite(w) and finite(rate) and rate > 0 else None
 

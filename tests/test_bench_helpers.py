@@ -73,18 +73,30 @@ def test_throughput_logs_the_interval_clock_when_given_a_sampler():
 
     class Sampler:
         def __init__(self, answers):
-            self.answers = answers
+            self.answers, self.calls = answers, []
 
         def take(self):
             return self.answers.pop(0)
 
-    m = Throughput(torch.device("cpu"), 100, 10, clocks=Sampler([{"samples": 4, "sm_clock_mhz": 1560.0,
-                                                                   "power_w": 691.0}, {"error": "no samples"}]))
+        def pause(self):
+            self.calls.append("pause")
+
+        def resume(self):
+            self.calls.append("resume")
+
+    sampler = Sampler([{"samples": 4, "sm_clock_mhz": 1560.0, "power_w": 691.0, "energy_j": 3.0},
+                       {"error": "no samples", "energy_j": 1.0}])
+    m = Throughput(torch.device("cpu"), 100, 1000, world_size=2, clocks=sampler)
     m.step()
+    m.step()
+    m.pause()  # an evaluation: out of the interval's time and of its GPU readings
+    m.resume()
     row = m.read()
-    assert row["gpu_sm_clock_mhz"] == 1560.0 and row["gpu_power_w"] == 691.0
+    assert row["gpu_sm_clock_mhz"] == 1560.0 and row["gpu_power_w"] == 691.0 and sampler.calls == ["pause", "resume"]
+    # this GPU's 3 J over its share of 2 steps x 1000 tokens on 2 GPUs
+    assert row["gpu_energy_j"] == 3.0 and row["gpu_mj_per_token"] == pytest.approx(3.0)
     m.step()
-    assert "gpu_sm_clock_mhz" not in m.read()  # an interval without samples logs nothing, not a stale value
+    assert not {"gpu_sm_clock_mhz", "gpu_energy_j"} & set(m.read())  # an interval without samples logs nothing
     assert "gpu_sm_clock_mhz" not in Throughput(torch.device("cpu"), 100, 10).read()
 
 

@@ -267,6 +267,8 @@ def test_clock_power_and_energy_per_token_over_the_steady_intervals(tmp_path, ca
 
 
 def test_energy_per_token_needs_power_and_a_positive_rate():
+    """The trainer's own figure (the energy counter over the interval's tokens) wins over power / rate."""
+    assert compare.mj_per_token({"gpu_mj_per_token": 9.5, "gpu_power_w": 500.0, "tokens_per_s": 1000.0}) == 9.5
     assert compare.mj_per_token({"gpu_power_w": 500.0, "tokens_per_s": 1000.0}) == pytest.approx(500.0)
     assert compare.mj_per_token({"gpu_power_w": 500.0, "tokens_per_s": 0.0}) is None
     assert compare.mj_per_token({"tokens_per_s": 1000.0}) is None

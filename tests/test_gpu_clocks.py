@@ -80,6 +80,29 @@ def test_sampler_streams_medians_and_joules_per_interval(nvml):
     assert s.thread is None and nvml.handles == [("index", 0)]  # stopped; no device given: GPU 0
 
 
+def test_a_pause_leaves_its_samples_and_joules_out_of_the_next_take(nvml):
+    """The trainer pauses the sampler around evaluations and checkpoints: their readings and joules
+    are not the training interval's. Readings one by one (no thread), the energy counter set by hand."""
+    nvml.energy = 0
+    nvml.nvmlDeviceGetTotalEnergyConsumption = lambda h: nvml.energy
+    s = ClockSampler()
+    s.nvml, s.handle = nvml, "h"
+    s.energy0 = s.energy_take = s.energy_mj()
+    s.sample()                                   # training: 1401 MHz, 1 J
+    nvml.energy = 1000
+    s.pause()
+    s.sample(), s.sample()                       # evaluation: 1402, 1403 MHz, 5 J
+    nvml.energy = 6000
+    s.resume()
+    s.sample()                                   # training again: 1404 MHz, 1 J
+    nvml.energy = 7000
+    interval = s.take()
+    assert interval["samples"] == 2 and interval["sm_clock_mhz"] == 1404 and interval["energy_j"] == 2.0
+    assert s.summary()["samples"] == 4  # the whole run keeps every reading
+    nvml.energy = 9000
+    assert s.take()["energy_j"] == 2.0  # what was left out is not subtracted twice
+
+
 def test_sampler_says_why_without_nvml(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
     with ClockSampler() as s:

@@ -11,6 +11,7 @@ trainer logs them:
     clocks.summary()            # {"samples": 31, "sm_clock_mhz": 1755, "power_w": 512.3, "energy_j": 95.1, ...}
 
     sampler = ClockSampler(device, interval_ms=500).start()   # the trainer: one per run
+    sampler.pause(); evaluate(); sampler.resume()             # left out of the next take()
     sampler.take()              # medians (and joules) since the previous take()
     sampler.stop()
 
@@ -59,6 +60,7 @@ class ClockSampler:
         self.nvml = self.handle = self.thread = self.error = None
         self.rows, self.fresh = [], []
         self.energy0 = self.energy_take = self.energy_end = None  # mJ at start / the last take() / stop()
+        self.paused, self.energy_paused_at, self.energy_left_out = False, None, 0  # pause() .. resume()
         self.lock, self.halt = threading.Lock(), threading.Event()
 
     def start(self) -> "ClockSampler":
@@ -89,17 +91,37 @@ class ClockSampler:
         return (float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)), n.nvmlDeviceGetPowerUsage(h) / 1e3,
                 float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)), f"0x{reasons(h):016x}")
 
-    def _poll(self) -> None:
-        while not self.halt.is_set():
-            try:
-                row = self.read()
-            except Exception as e:  # noqa: BLE001 - keep what we have, say why it ended
-                self.error = f"NVML read failed: {type(e).__name__}: {e}"
-                return
-            with self.lock:
-                self.rows.append(row)
+    def sample(self) -> bool:
+        """One reading: into summary()'s samples, and take()'s unless paused. False if NVML failed."""
+        try:
+            row = self.read()
+        except Exception as e:  # noqa: BLE001 - keep what we have, say why it ended
+            self.error = f"NVML read failed: {type(e).__name__}: {e}"
+            return False
+        with self.lock:
+            self.rows.append(row)
+            if not self.paused:
                 self.fresh.append(row)
+        return True
+
+    def _poll(self) -> None:
+        while not self.halt.is_set() and self.sample():
             self.halt.wait(self.interval_ms / 1e3)
+
+    def pause(self) -> None:
+        """Leave what runs until resume() (the trainer's evaluations and checkpoints) out of the next
+        take(): its samples and its joules."""
+        with self.lock:
+            self.paused = True
+        self.energy_paused_at = self.energy_mj() if self.handle is not None else None
+
+    def resume(self) -> None:
+        now = self.energy_mj() if self.handle is not None else None
+        if now is not None and self.energy_paused_at is not None:
+            self.energy_left_out += now - self.energy_paused_at
+        self.energy_paused_at = None
+        with self.lock:
+            self.paused = False
 
     def stop(self) -> None:
         if self.thread is None:
@@ -119,14 +141,15 @@ class ClockSampler:
         return False
 
     def take(self) -> dict:
-        """Medians of the samples since the previous take() (or the start), and the joules."""
+        """Medians of the samples since the previous take() (or the start), and the joules, both
+        without what ran between pause() and resume()."""
         with self.lock:
             rows, self.fresh = self.fresh, []
         now = self.energy_mj() if self.handle is not None else None
         out = summarise(rows, self.error)
         if now is not None and self.energy_take is not None:
-            out["energy_j"] = (now - self.energy_take) / 1e3
-        self.energy_take = now
+            out["energy_j"] = (now - self.energy_take - self.energy_left_out) / 1e3
+        self.energy_take, self.energy_left_out = now, 0
         return out
 
     def summary(self) -> dict:

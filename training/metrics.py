@@ -49,7 +49,8 @@ def peak_info(device: torch.device) -> dict:
 
 class Throughput:
     """Tokens/s, step time, data-wait fraction, MFU, peak memory and (given a clock sampler) the
-    GPU's median SM clock and power over each log interval.
+    GPU's median SM clock and power over each log interval, and its joules from the card's energy
+    counter (gpu_energy_j; gpu_mj_per_token: over this GPU's share of the interval's tokens).
 
     MFU = dense-equivalent FLOPs per token (model/flops.py: 6N + 12LdS) x tokens/s over the
     peak of all devices. srelu24 counts as dense, so its speed-up shows as a higher MFU."""
@@ -57,6 +58,7 @@ class Throughput:
     def __init__(self, device: torch.device, flops_per_token: int, tokens_per_step: int, world_size: int = 1,
                  elapsed_offset: float = 0.0, clocks=None):
         self.device, self.flops_per_token, self.tokens_per_step = device, flops_per_token, tokens_per_step
+        self.world_size = world_size
         self.clocks = clocks  # a started training.gpu_clocks.ClockSampler, or None
         peak = peak_flops(device)
         self.peak = peak * world_size if peak else None
@@ -72,11 +74,16 @@ class Throughput:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def pause(self) -> None:
-        """Exclude what follows (evaluation, checkpoints) from the interval."""
+        """Exclude what follows (evaluation, checkpoints) from the interval: its time, and its GPU
+        readings and joules."""
         self.paused_at = time.perf_counter()
+        if self.clocks is not None:
+            self.clocks.pause()
 
     def resume(self) -> None:
         self.t0 += time.perf_counter() - self.paused_at
+        if self.clocks is not None:
+            self.clocks.resume()
 
     def data_time(self, seconds: float) -> None:
         self.data_s += seconds
@@ -99,5 +106,8 @@ class Throughput:
             c = self.clocks.take()
             if "samples" in c:
                 out["gpu_sm_clock_mhz"], out["gpu_power_w"] = c["sm_clock_mhz"], c["power_w"]
+                if c.get("energy_j") is not None and self.steps:  # the card's energy counter, this GPU's share
+                    out["gpu_energy_j"] = c["energy_j"]
+                    out["gpu_mj_per_token"] = 1e3 * c["energy_j"] / (self.steps * self.tokens_per_step / self.world_size)
         self.reset()
         return out
