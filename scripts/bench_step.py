@@ -17,6 +17,15 @@ tokens of the experiment's micro-batch and sequence length ("data" is building t
 and copying them to the device). srelu24 is measured in its 2:4 phase. tokens/s counts all ranks;
 MFU is per GPU. Rank 0 writes a table and benchmarks/results/bench_step.json.
 
+At random init srelu's activations are about half zeros; a trained model's are 75-80% and more,
+and on a power-capped GPU dense GEMMs over zeros draw less power and clock higher. To measure at
+trained sparsity, start from a run's weights on its own text (the same weights for srelu and
+srelu24, whose shapes match):
+
+    python train.py +experiment=study_speed_7b variant=srelu_tensorwise
+    python scripts/bench_step.py +experiment=study_speed_7b --ffns srelu,srelu24 --accum 4 \
+        --weights runs/study_speed_7b/<date>/checkpoints/step_00000250 --tokens data
+
 --precisions crosses trainer.float8 (none, tensorwise, rowwise) with the FFNs: each (precision,
 ffn) row is a fresh model, compiled anew. The table gives each row's tokens/s against the fastest
 dense row (swiglu or srelu at any precision) and against swiglu bf16 (the swiglu row without
@@ -57,10 +66,13 @@ from training.distributed import build_model, exit_process, setup, shutdown  # n
 from training.errors import ConfigError  # noqa: E402
 from training.float8 import check as float8_check  # noqa: E402
 from training.logger import environment  # noqa: E402
-from training.loop import autocast_for, use_bf16  # noqa: E402
+from training.loop import autocast_for, prepare_data, use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
 from training.memory import estimate  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
+from training.checkpoint import CheckpointError, is_checkpoint, load_weights_into  # noqa: E402
+from data.errors import DataError  # noqa: E402
+from data.loader import TokenLoader  # noqa: E402
 from training.step import StepParts, TrainState, train_step  # noqa: E402
 from training.gpu_clocks import ClockSampler, energy_during  # noqa: E402
 
@@ -290,8 +302,22 @@ def bench(cfg, args, d) -> dict:
     # token 0 stands for the end of text: document masking (model.attention=document) sees
     # documents of --doc-len tokens
     # srelu24's op takes the float8 recipe from the model it is built in, as in the trainer (training/loop.py)
-    model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=0, float8=t.float8.value),
+    loader, eot = None, 0
+    if args.tokens == "data":  # the trainer's loader over the training split, from the config's seed
+        try:
+            shard_dir, manifest = prepare_data(cfg, d)
+            vocab, eot = model_cfg.vocab_size or manifest.vocab_size, manifest.eot_id
+            loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed, d.rank,
+                                 d.world_size)
+        except DataError as e:
+            fail(f"--tokens data: {e}")
+    model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=eot, float8=t.float8.value),
                                      t, d, 0, fsdp_bf16)
+    if args.weights:
+        try:
+            load_weights_into(args.weights, model)
+        except CheckpointError as e:
+            fail(f"--weights: {e}")
     opt = build_optimizer(model, cfg.optim, device)
     B, S = t.micro_batch_size, t.seq_len
     lr = cfg.optim.lr
@@ -304,6 +330,9 @@ def bench(cfg, args, d) -> dict:
     clock = Clock(device)
 
     def next_batch():
+        if loader is not None:
+            x, y = loader.next_batch()
+            return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         tokens = torch.randint(1, vocab, (B, S + 1))
         tokens[:, ::args.doc_len] = 0  # a boundary every doc_len tokens
         tokens = tokens.to(device, non_blocking=True)
@@ -334,6 +363,7 @@ def bench(cfg, args, d) -> dict:
               "precision": precision_label(t.float8.value, "bf16" if bf16 else "fp32"), "model": model_cfg.name, "n_layers": model_cfg.n_layers,
               "layers_cut_from": cfg.model.n_layers if args.layers else None, "micro_batch": B, "seq_len": S, "accum": args.accum,
               "world_size": d.world_size, "strategy": t.strategy.value,
+              "weights": str(args.weights) if args.weights else None, "tokens": args.tokens,
               "activation_checkpointing": t.activation_checkpointing.value, "compile": t.compile,
               "step_ms": step, "data_ms": data, "forward_ms": fw,
               "backward_ms": bw, "optimizer_ms": op, "tokens_per_s": tok_s,
@@ -535,6 +565,13 @@ def main(argv=None) -> int:
     ap.add_argument("--doc-len", type=int, default=1024, help="tokens per document of the random batches "
                     "(an end-of-text token every DOC_LEN; what model.attention=document masks at)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step and rank (gradient accumulation)")
+    ap.add_argument("--weights", type=Path, metavar="CHECKPOINT",
+                    help="start every row from this trainer checkpoint's weights (checkpoints/step_XXXXXXXX; the "
+                         "config's model shape; srelu's serve srelu24 and back) instead of random init: trained "
+                         "activations, as sparse as the run made them")
+    ap.add_argument("--tokens", choices=("random", "data"), default="random",
+                    help="random: uniform tokens with an end of text every --doc-len; data: the training split of "
+                         "the config's data (prepared as train.py prepares it), with --weights the run's own text")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda (each rank takes cuda:LOCAL_RANK)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -564,6 +601,8 @@ def main(argv=None) -> int:
     if args.replot:
         print(f"wrote {plot_kernels(args.replot)}")
         return 0
+    if args.weights and not is_checkpoint(args.weights):
+        fail(f"--weights {args.weights}: not a checkpoint of this trainer (a <run>/checkpoints/step_XXXXXXXX directory)")
     variants = ["swiglu", "srelu", "srelu24"] if args.ffn_sweep else [None]
     if args.ffns:
         variants = args.ffns.split(",")

@@ -78,3 +78,51 @@ def test_profiled_busy_time_counts_overlapping_kernels_once():
     assert union_length([]) == 0.0
     assert union_length([(0, 10), (2, 5), (8, 12), (20, 21)]) == 13.0  # [0, 12] and [20, 21]
     assert union_length([(0, 1), (1, 2)]) == 2.0
+
+
+# ---------------------------------------------------------------- steps from a run's weights, on its text
+
+
+def test_a_checkpoints_weights_load_into_a_model_of_its_shape_only(tmp_path):
+    """srelu's weights serve srelu24 (the same shapes) bit for bit; swiglu's shape is refused in one
+    line that names both shapes."""
+    import torch
+
+    from model import FFNConfig, ModelConfig, Transformer
+    from training.checkpoint import CheckpointError, load_weights_into, model_shape, save_checkpoint
+
+    mcfg = ModelConfig(name="t", dim=32, n_layers=2, n_heads=4, swiglu_hidden=64, max_seq_len=32)
+    torch.manual_seed(0)
+    trained = Transformer(mcfg, FFNConfig(kind="srelu", hidden_dim=64), 97)
+    path = save_checkpoint(tmp_path / "run", 3, {"model": trained.state_dict(), "model_shape": model_shape(trained)})
+    torch.manual_seed(1)
+    fresh = Transformer(mcfg, FFNConfig(kind="srelu24", hidden_dim=64, kernels=False), 97)
+    assert not torch.equal(fresh.layers[0].feed_forward.w1.weight, trained.layers[0].feed_forward.w1.weight)
+    load_weights_into(path, fresh)
+    want = trained.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+    with pytest.raises(CheckpointError, match="holds a model of shape .*ffn_gated=False.* but the config builds .*ffn_gated=True"):
+        load_weights_into(path, Transformer(mcfg, FFNConfig(kind="swiglu"), 97))
+
+
+def test_bench_step_from_a_runs_weights_on_its_text(tmp_path, corpus, cache):
+    """A tiny srelu run's checkpoint measured as srelu and srelu24 on the run's training split; a
+    path that is no checkpoint is one line before any work."""
+    from helpers import run_train, tiny_overrides, with_cache
+
+    args = with_cache(tiny_overrides(tmp_path, corpus), cache)
+    r = run_train(args + ["ffn=srelu", "trainer.max_steps=2", "trainer.ckpt_every=2", "trainer.eval_every=2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = next((tmp_path / "run" / "checkpoints").glob("step_*"))
+    overrides = [a for a in args if not a.startswith("hydra.")] + ["trainer.compile=false"]
+    out = tmp_path / "bench.json"
+    bench = [sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--ffns", "srelu,srelu24", "--steps", "1",
+             "--warmup", "1", "--device", "cpu", "--precisions", "none", "--out", str(out), *overrides]
+    r = subprocess.run(bench + ["--weights", str(ckpt), "--tokens", "data"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(x["ffn"], x["weights"], x["tokens"]) for x in rows] == [("srelu", str(ckpt), "data"),
+                                                                      ("srelu24", str(ckpt), "data")]
+    r = subprocess.run(bench + ["--weights", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --weights ")
+    assert "not a checkpoint of this trainer" in r.stderr

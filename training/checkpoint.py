@@ -774,6 +774,18 @@ def model_shape(model: torch.nn.Module) -> dict:
             "tie_embeddings": c.tie_embeddings}
 
 
+def load_weights_into(path: Path, model: torch.nn.Module) -> None:
+    """A checkpoint's model weights, and nothing else of its run, into `model` as built for training
+    (float8-converted, compiled or sharded): scripts/bench_step.py's steps from trained weights.
+    The architecture must match (model_shape): srelu and srelu24 share theirs, so one's weights
+    serve the other; swiglu's do not."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = load_checkpoint(path)
+    check_model_shape(path, state, model)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+
+
 def check_model_shape(path: Path, state: dict, model: torch.nn.Module) -> None:
     want, have = model_shape(model), state.get("model_shape", {})
     if want != have:
