@@ -70,7 +70,8 @@ from training.loop import autocast_for, prepare_data, use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
 from training.memory import estimate  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
-from training.checkpoint import CheckpointError, is_checkpoint, load_weights_into  # noqa: E402
+from training.checkpoint import CheckpointError, is_checkpoint, load_weights_into, read_train_state, verify_checkpoint  # noqa: E402
+from training.config_checks import resolve_vocab_size  # noqa: E402
 from data.errors import DataError  # noqa: E402
 from data.loader import TokenLoader  # noqa: E402
 from training.step import StepParts, TrainState, train_step  # noqa: E402
@@ -306,11 +307,13 @@ def bench(cfg, args, d) -> dict:
     if args.tokens == "data":  # the trainer's loader over the training split, from the config's seed
         try:
             shard_dir, manifest = prepare_data(cfg, d)
-            vocab, eot = model_cfg.vocab_size or manifest.vocab_size, manifest.eot_id
+            vocab, eot = resolve_vocab_size(model_cfg, manifest.vocab_size), manifest.eot_id
             loader = TokenLoader(shard_dir, manifest, "train", t.seq_len, t.micro_batch_size, t.seed, d.rank,
                                  d.world_size)
-        except DataError as e:
+        except (DataError, ConfigError) as e:
             fail(f"--tokens data: {e}")
+    elif args.weights and getattr(args, "weights_vocab", None):  # random tokens over the checkpoint's vocabulary
+        vocab = args.weights_vocab
     model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=eot, float8=t.float8.value),
                                      t, d, 0, fsdp_bf16)
     if args.weights:
@@ -601,8 +604,14 @@ def main(argv=None) -> int:
     if args.replot:
         print(f"wrote {plot_kernels(args.replot)}")
         return 0
-    if args.weights and not is_checkpoint(args.weights):
-        fail(f"--weights {args.weights}: not a checkpoint of this trainer (a <run>/checkpoints/step_XXXXXXXX directory)")
+    if args.weights:  # once, before any row: each row then reads only the model's weights
+        if not is_checkpoint(args.weights):
+            fail(f"--weights {args.weights}: not a checkpoint of this trainer (a <run>/checkpoints/step_XXXXXXXX directory)")
+        try:
+            verify_checkpoint(args.weights)
+            args.weights_vocab = read_train_state(args.weights).get("model_shape", {}).get("vocab_size")
+        except CheckpointError as e:
+            fail(f"--weights: {e}")
     variants = ["swiglu", "srelu", "srelu24"] if args.ffn_sweep else [None]
     if args.ffns:
         variants = args.ffns.split(",")

@@ -164,13 +164,14 @@ def phase_medians(timed: list[dict], value=lambda r: r.get("tokens_per_s")) -> d
     return {p: median([v for v in values if finite(v)]) for p, values in per_phase.items()}
 
 
-def mj_per_token(row: dict) -> Optional[float]:
-    """A log interval's energy per token in mJ: the trainer's, from the card's energy counter
-    (gpu_mj_per_token), else its median power over its tokens/s (None without NVML's readings)."""
+def mj_per_token(row: dict, gpus: int = 1) -> Optional[float]:
+    """A log interval's energy per token in mJ, per GPU over that GPU's share of the tokens: the
+    trainer's, from the card's energy counter (gpu_mj_per_token), else the logging GPU's median
+    power over its share of tokens/s (None without NVML's readings)."""
     if finite(row.get("gpu_mj_per_token")):
         return row["gpu_mj_per_token"]
     w, rate = row.get("gpu_power_w"), row.get("tokens_per_s")
-    return 1000 * w / rate if finite(w) and finite(rate) and rate > 0 else None
+    return 1000 * w * gpus / rate if finite(w) and finite(rate) and rate > 0 else None
 
 
 def finite(v) -> bool:
@@ -252,8 +253,8 @@ def summarize(run: Path, basis: str = "steady") -> dict:
         "mfu": median([r["mfu"] for r in window if "mfu" in r]),
         "sm_clock_mhz": median([r["gpu_sm_clock_mhz"] for r in window if finite(r.get("gpu_sm_clock_mhz"))]),
         "power_w": median([r["gpu_power_w"] for r in window if finite(r.get("gpu_power_w"))]),
-        "mj_per_token": median([e for e in map(mj_per_token, window) if e is not None]),
-        "mj_per_token_24": phase_medians(timed, mj_per_token)[1],
+        "mj_per_token": median([e for e in (mj_per_token(r, gpus) for r in window) if e is not None]),
+        "mj_per_token_24": phase_medians(timed, lambda r: mj_per_token(r, gpus))[1],
         "act_sparsity": statistics.fmean(sparsity[-1]) if sparsity else None,
         "peak_mem_gib": max(mem) if mem else None,
         "hours": rows[-1]["_hours"] if rows else None,

@@ -90,6 +90,8 @@ def test_throughput_logs_the_interval_clock_when_given_a_sampler():
     m.step()
     m.step()
     m.pause()  # an evaluation: out of the interval's time and of its GPU readings
+    m.pause()  # a second pause: nothing more
+    m.resume()
     m.resume()
     row = m.read()
     assert row["gpu_sm_clock_mhz"] == 1560.0 and row["gpu_power_w"] == 691.0 and sampler.calls == ["pause", "resume"]

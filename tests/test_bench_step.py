@@ -123,6 +123,9 @@ def test_bench_step_from_a_runs_weights_on_its_text(tmp_path, corpus, cache):
     rows = json.loads(out.read_text())["results"]
     assert [(x["ffn"], x["weights"], x["tokens"]) for x in rows] == [("srelu", str(ckpt), "data"),
                                                                       ("srelu24", str(ckpt), "data")]
+    r = subprocess.run(bench + ["--weights", str(ckpt), "--ffns", "srelu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]  # random tokens over the checkpoint's vocabulary
+    assert json.loads(out.read_text())["results"][0]["tokens"] == "random"
     r = subprocess.run(bench + ["--weights", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --weights ")
     assert "not a checkpoint of this trainer" in r.stderr

@@ -270,6 +270,8 @@ def test_energy_per_token_needs_power_and_a_positive_rate():
     """The trainer's own figure (the energy counter over the interval's tokens) wins over power / rate."""
     assert compare.mj_per_token({"gpu_mj_per_token": 9.5, "gpu_power_w": 500.0, "tokens_per_s": 1000.0}) == 9.5
     assert compare.mj_per_token({"gpu_power_w": 500.0, "tokens_per_s": 1000.0}) == pytest.approx(500.0)
+    # 2 GPUs: the logging GPU's 500 W over its half of 1000 tokens/s, as the trainer's own figure counts
+    assert compare.mj_per_token({"gpu_power_w": 500.0, "tokens_per_s": 1000.0}, gpus=2) == pytest.approx(1000.0)
     assert compare.mj_per_token({"gpu_power_w": 500.0, "tokens_per_s": 0.0}) is None
     assert compare.mj_per_token({"tokens_per_s": 1000.0}) is None
     assert compare.mj_per_token({"gpu_power_w": float("nan"), "tokens_per_s": 1000.0}) is None

@@ -103,6 +103,26 @@ def test_a_pause_leaves_its_samples_and_joules_out_of_the_next_take(nvml):
     assert s.take()["energy_j"] == 2.0  # what was left out is not subtracted twice
 
 
+def test_a_take_inside_a_pause_and_a_second_pause(nvml):
+    """take() during a pause counts the paused joules so far as left out, the rest of the pause
+    as the next interval's left-out; a second pause() or resume() changes nothing."""
+    nvml.energy = 0
+    nvml.nvmlDeviceGetTotalEnergyConsumption = lambda h: nvml.energy
+    s = ClockSampler()
+    s.nvml, s.handle = nvml, "h"
+    s.energy0 = s.energy_take = s.energy_mj()
+    nvml.energy = 1000                           # training: 1 J
+    s.pause()
+    nvml.energy = 3000                           # paused: 2 J
+    s.pause()                                    # nested: ignored
+    assert s.take()["energy_j"] == 1.0
+    nvml.energy = 6000                           # still paused: 3 J
+    s.resume()
+    s.resume()                                   # nothing to resume
+    nvml.energy = 7000                           # training: 1 J
+    assert s.take()["energy_j"] == 1.0
+
+
 def test_sampler_says_why_without_nvml(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
     with ClockSampler() as s:

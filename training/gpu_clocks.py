@@ -112,16 +112,25 @@ class ClockSampler:
         """Leave what runs until resume() (the trainer's evaluations and checkpoints) out of the next
         take(): its samples and its joules."""
         with self.lock:
+            if self.paused:  # already: the first pause() holds
+                return
             self.paused = True
         self.energy_paused_at = self.energy_mj() if self.handle is not None else None
 
     def resume(self) -> None:
-        now = self.energy_mj() if self.handle is not None else None
-        if now is not None and self.energy_paused_at is not None:
-            self.energy_left_out += now - self.energy_paused_at
+        if not self.paused:
+            return
+        self._leave_out_paused()
         self.energy_paused_at = None
         with self.lock:
             self.paused = False
+
+    def _leave_out_paused(self) -> None:
+        """Count the joules since the pause (or since a take() during it) as left out."""
+        now = self.energy_mj() if self.handle is not None else None
+        if now is not None and self.energy_paused_at is not None:
+            self.energy_left_out += now - self.energy_paused_at
+            self.energy_paused_at = now
 
     def stop(self) -> None:
         if self.thread is None:
@@ -143,6 +152,8 @@ class ClockSampler:
     def take(self) -> dict:
         """Medians of the samples since the previous take() (or the start), and the joules, both
         without what ran between pause() and resume()."""
+        if self.paused:  # a take() inside a pause: the paused joules so far are not this interval's
+            self._leave_out_paused()
         with self.lock:
             rows, self.fresh = self.fresh, []
         now = self.energy_mj() if self.handle is not None else None

@@ -60,6 +60,7 @@ class Throughput:
         self.device, self.flops_per_token, self.tokens_per_step = device, flops_per_token, tokens_per_step
         self.world_size = world_size
         self.clocks = clocks  # a started training.gpu_clocks.ClockSampler, or None
+        self.paused_at = None
         peak = peak_flops(device)
         self.peak = peak * world_size if peak else None
         self.start = time.perf_counter() - elapsed_offset  # wall-clock carries over a resume
@@ -75,13 +76,21 @@ class Throughput:
 
     def pause(self) -> None:
         """Exclude what follows (evaluation, checkpoints) from the interval: its time, and its GPU
-        readings and joules."""
+        readings and joules. The GPU is synchronised first: training work still queued belongs to
+        the interval. A second pause() before resume() changes nothing."""
+        if self.paused_at is not None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.paused_at = time.perf_counter()
         if self.clocks is not None:
             self.clocks.pause()
 
     def resume(self) -> None:
+        if self.paused_at is None:
+            return
         self.t0 += time.perf_counter() - self.paused_at
+        self.paused_at = None
         if self.clocks is not None:
             self.clocks.resume()
 
