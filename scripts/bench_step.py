@@ -312,7 +312,7 @@ def bench(cfg, args, d) -> dict:
                                  d.world_size)
         except (DataError, ConfigError) as e:
             fail(f"--tokens data: {e}")
-    elif args.weights and getattr(args, "weights_vocab", None):  # random tokens over the checkpoint's vocabulary
+    elif args.weights_vocab:  # random tokens over the checkpoint's vocabulary
         vocab = args.weights_vocab
     model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=eot, float8=t.float8.value),
                                      t, d, 0, fsdp_bf16)
@@ -604,6 +604,7 @@ def main(argv=None) -> int:
     if args.replot:
         print(f"wrote {plot_kernels(args.replot)}")
         return 0
+    args.weights_vocab = None
     if args.weights:  # once, before any row: each row then reads only the model's weights
         if not is_checkpoint(args.weights):
             fail(f"--weights {args.weights}: not a checkpoint of this trainer (a <run>/checkpoints/step_XXXXXXXX directory)")
