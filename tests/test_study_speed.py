@@ -23,6 +23,7 @@ GRIDS = {  # experiment -> its arms: (ffn, trainer.float8, seed)
                        "srelu24_tensorwise_seed2": ("srelu24", "tensorwise", 2)},
 }
 SHAPES = {"study_speed": ("1b", 2048, 20), "study_speed_7b": ("7b", 4096, 8)}  # model, dim, layers
+STEPS = {"study_speed": 500, "study_speed_7b": 250}
 
 
 def sweep(experiment: str):
@@ -50,7 +51,7 @@ def test_every_arm_differs_only_in_ffn_and_precision(experiment):
         assert arm in (f"{ffn}_{label}", f"{ffn}_{label}_seed2")  # the job directory says both
         assert cfg.name == experiment and cfg.data.name == "python_sources"
         assert cfg.logging.wandb.mode.value == "offline" and cfg.logging.wandb.group is None  # group: the name
-        assert t.compile and t.max_steps == 250
+        assert t.compile and t.max_steps == STEPS[experiment]
         assert t.max_steps % t.eval_every == 0 and t.eval_every % t.log_every == 0 and t.eval_every <= 25
         assert 0.13 <= cfg.ffn.dense_warmup_steps / t.max_steps <= 0.17  # 2:4 from ~15% of the steps
         assert (cfg.model.name, cfg.model.dim, cfg.model.n_layers) == SHAPES[experiment]
