@@ -44,6 +44,7 @@ not name their precision or commit, take them from the record's command line and
 import argparse
 import gc
 import json
+import os
 import re
 import statistics
 import sys
@@ -664,12 +665,13 @@ def main(argv=None) -> int:
 
 
 def fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(fail_code(message))
 
 
 def fail_code(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    """One line on stderr, from the first rank only under torchrun (every rank fails alike); exit 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
     return 2
 
 

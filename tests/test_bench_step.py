@@ -53,6 +53,16 @@ def test_fsdp_sweep_under_torchrun_on_two_cpu_processes(tmp_path):
     assert "on 2 x CPU (fsdp" in text
 
 
+def test_bad_input_under_torchrun_is_one_line_from_the_first_rank(tmp_path):
+    """Every rank fails alike on a bad --weights; only rank 0 says so, and torchrun exits non-zero."""
+    log = tmp_path / "torchrun.log"
+    p = start_torchrun(["--weights", str(tmp_path / "no_such_checkpoint"), "--device", "cpu", "+experiment=demo"],
+                       log, script=ROOT / "scripts" / "bench_step.py")
+    assert p.wait(timeout=300) != 0
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("error: --weights")]
+    assert len(lines) == 1 and "not a checkpoint of this trainer" in lines[0], log.read_text()[-3000:]
+
+
 def test_bench_ffn_replots_a_saved_breakdown_without_a_gpu(tmp_path):
     """The breakdown figure is redrawn from a saved GPU result on any machine."""
     import shutil
