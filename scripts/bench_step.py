@@ -140,6 +140,35 @@ def union_length(spans: list[tuple[float, float]]) -> float:
 PROFILE_KEPT = 60  # kernels per variant kept in the JSON
 
 
+def profile_host(train_step, steps: int, top: int = PROFILE_KEPT) -> dict:
+    """torch.profiler's CPU side over `steps` more steps: where the host's time goes when a step
+    waits on it (GPU idle in --profile). Per step: the wall time of the profiled steps, the ops'
+    summed self CPU time by thread (the main thread issues the forward, autograd's device thread
+    the backward), and the costliest ops as [name, self CPU ms, calls]. Self time leaves out the
+    Python between ops and the profiler's own cost is in the wall time: compare variants
+    within one run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            train_step()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    by_thread: dict[int, float] = {}
+    for e in prof.events():
+        by_thread[e.thread] = by_thread.get(e.thread, 0.0) + e.self_cpu_time_total
+    rows = [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps)
+            for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    return {"host_wall_ms_per_step": wall * 1e3 / steps,
+            "host_self_ms_per_step": sum(by_thread.values()) / 1e3 / steps,
+            "host_self_ms_per_step_by_thread": sorted((round(v / 1e3 / steps, 3) for v in by_thread.values()),
+                                                      reverse=True),
+            "top_host_ops": [[k[:90], round(ms, 3), round(n, 1)] for k, ms, n in rows[:top]]}
+
+
 def profile_kernels(train_step, steps: int, top: int = PROFILE_KEPT) -> dict:
     """torch.profiler over `steps` more steps: per step, the time some kernel was running (the
     union of kernel intervals: kernels that overlap, such as NCCL's beside compute, count once),
@@ -356,6 +385,7 @@ def bench(cfg, args, d) -> dict:
         rows = clock.phases_ms()  # synchronises: the samples cover the steps
     data, fw, bw, op = (statistics.median(col) for col in zip(*rows))
     kernels = profile_kernels(train_step_timed, args.profile) if args.profile and device.type == "cuda" else None
+    host = profile_host(train_step_timed, args.profile_host) if args.profile_host else None
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None  # the steps' own
     energy = (energy_accounting(cfg, model_cfg, opt, parts.params, B, S, args.energy, args.density)
               if args.energy and device.type == "cuda" else None)
@@ -384,6 +414,8 @@ def bench(cfg, args, d) -> dict:
         result["energy"] = energy
     if kernels is not None:
         result.update(kernels)
+    if host is not None:
+        result.update(host)
     # FSDP2 and compiled modules sit in reference cycles: collect them, or the next variant of a
     # sweep runs (and measures its peak memory) with this one's parameters still allocated
     del model, step_module, opt, train_step_timed
@@ -580,6 +612,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after timing, profile this many steps: GPU kernel time per step and the top kernels")
+    ap.add_argument("--profile-host", type=int, default=0, metavar="STEPS",
+                    help="after timing, profile this many steps' host side: self CPU time per step by thread and "
+                         "the costliest ops (where a step that waits on the host spends it)")
     ap.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
                     help="energy accounting: after timing, each piece of the step in a sustained loop of SECONDS "
                          "(NVML energy counter): ms and J per step by category (srelu, srelu24; GPU only)")
@@ -602,6 +637,8 @@ def main(argv=None) -> int:
     args.out = args.out or ROOT / "benchmarks" / "results" / "bench_step.json"
     if args.doc_len <= 0 or args.accum <= 0 or args.steps <= 0:
         ap.error(f"--doc-len, --accum and --steps must be positive; got {args.doc_len}, {args.accum}, {args.steps}")
+    if args.profile < 0 or args.profile_host < 0:
+        ap.error(f"--profile and --profile-host count steps (0: none); got {args.profile}, {args.profile_host}")
     if args.replot:
         print(f"wrote {plot_kernels(args.replot)}")
         return 0
@@ -748,6 +785,14 @@ def report(args, results: list[dict], device: torch.device) -> None:
         print_energy([r for r in results if r.get("energy")])
     if any(r.get("top_kernels") for r in results):
         print(f"wrote {plot_kernels(args.out)}")
+    for r in results:
+        if r.get("top_host_ops"):
+            threads = ", ".join(f"{ms:.1f}" for ms in r["host_self_ms_per_step_by_thread"][:3])
+            print(f"\n{label(r)}: host ops' self CPU time {r['host_self_ms_per_step']:.1f} ms a step (by thread: "
+                  f"{threads}) over a profiled step of {r['host_wall_ms_per_step']:.1f} ms; costliest (self ms, calls "
+                  "per step):")
+            for name, ms, n in r["top_host_ops"][:args.print_kernels]:
+                print(f"  {ms:8.3f} {n:6.1f}  {name}")
     for r in results:
         if r.get("top_kernels"):
             print(f"\n{label(r)}: kernels running {r['kernel_busy_ms_per_step']:.1f} ms of a "

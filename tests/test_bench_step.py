@@ -53,6 +53,29 @@ def test_fsdp_sweep_under_torchrun_on_two_cpu_processes(tmp_path):
     assert "on 2 x CPU (fsdp" in text
 
 
+def test_host_profile_on_cpu_names_the_costliest_ops(tmp_path):
+    """--profile-host: the host's self CPU time per step by thread and its costliest ops, in the
+    JSON and the printout (a step that waits on the host is measured by where that time goes)."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "+experiment=demo", "--ffns", "srelu24",
+                        "--steps", "1", "--warmup", "1", "--device", "cpu", "--layers", "1", "--profile-host", "2",
+                        "--out", str(out), "--precisions", "none", "logging.wandb.mode=disabled"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (x,) = json.loads(out.read_text())["results"]
+    threads = x["host_self_ms_per_step_by_thread"]
+    assert threads == sorted(threads, reverse=True) and sum(threads) == pytest.approx(x["host_self_ms_per_step"], rel=1e-3)
+    assert 0 < x["host_self_ms_per_step"] and 0 < x["host_wall_ms_per_step"]
+    ops = x["top_host_ops"]
+    assert ops and all(ms > 0 and n > 0 for _, ms, n in ops) and [ms for _, ms, _ in ops] == sorted(
+        (ms for _, ms, _ in ops), reverse=True)
+    assert any(name.startswith("aten::") for name, _, _ in ops)  # the model's ops, not only the profiler's
+    assert "srelu24 fp32: host ops' self CPU time" in r.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--profile-host", "-1",
+                          "+experiment=demo"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--profile-host" in bad.stderr.splitlines()[-1]
+
+
 def test_bad_input_under_torchrun_is_one_line_from_the_first_rank(tmp_path):
     """Every rank fails alike on a bad --weights; only rank 0 says so, and torchrun exits non-zero."""
     log = tmp_path / "torchrun.log"
