@@ -27,6 +27,7 @@ What the graph needs, and how the probe gives it (the capture bakes in every add
 On a CPU the "graph" calls the captured function again: the bookkeeping is checked, not the capture.
 """
 import argparse
+import gc
 import json
 import sys
 from dataclasses import replace
@@ -286,10 +287,6 @@ def run(cfg, args, d) -> dict:
            "n_layers": model_cfg.n_layers, "eager": eager, "graphed": graphed, "check": check,
            "eager_tokens_per_s": tokens / (eager["step_ms"] / 1e3),
            "graphed_tokens_per_s": tokens / (graphed["step_ms"] / 1e3)}
-    del runner, model, step_module, opt, parts
-    torch._dynamo.reset()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -317,6 +314,10 @@ def main() -> int:
         d = d or setup(cfg.trainer)
         rows.append(run(cfg, args, d))
         print(json.dumps(rows[-1]), flush=True)
+        gc.collect()  # the model and its graph sit in reference cycles: free them before the next FFN's
+        torch._dynamo.reset()
+        if d.device.type == "cuda":
+            torch.cuda.empty_cache()
     shutdown(d)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"argv": sys.argv, "results": rows}, indent=2))
