@@ -9,8 +9,15 @@ experiment's shapes, for each FFN, in one process. The 1B float8 srelu24 step wa
 Per FFN, from one model:
 1. eager: the trainer's train_step, timed (tokens/s; SM clock, power and J a step where NVML is);
 2. gradients of one step's micro-batches from the same weights, batches and token orders: eager
-   twice (the kernels' own run-to-run differences) and replayed, torch.equal per parameter;
-3. graphed: the same step with its micro-batches replayed, timed as in 1.
+   twice (the kernels' own run-to-run differences) and replayed (captured on another batch),
+   torch.equal per parameter;
+3. graphed: the same step with its micro-batches replayed, token orders drawn fresh on the host
+   per micro-batch as the eager model draws them, timed as in 1;
+4. the check of 2 again after those steps' updates (the replay must read the new weights and
+   their conversions);
+5. eager timed again, so that the two eager figures bracket the graphed one.
+The verdict: "bit-identical" (no gradient differs in 2 or 4), "within noise" (eager differs from
+itself, and the replay from eager by no more than twice that), or "differs".
 
 What the graph needs, and how the probe gives it (the capture bakes in every address it reads):
 - static inputs: the micro-batch's tokens and srelu24's token orders are copied into fixed
@@ -47,6 +54,7 @@ from training.gpu_clocks import ClockSampler  # noqa: E402
 from training.loop import autocast_for  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.step import StepParts, TrainState, optimizer_step_skipping_on_device, train_step  # noqa: E402
+from srelu24_kernels.srelu24.reference import random_token_orders  # noqa: E402
 
 
 def token_orders_from(g: torch.Generator, T: int, n: int) -> torch.Tensor:
@@ -224,10 +232,15 @@ class _Null:
 
 def run(cfg, args, d) -> dict:
     device, t = d.device, cfg.trainer
+    if d.world_size != 1 or t.activation_checkpointing.value != "none":
+        raise SystemExit("error: the probe captures one process's step without activation checkpointing (DDP's "
+                         "hooks and checkpointing's RNG reads do not belong in the graph); run it with one process "
+                         "and trainer.activation_checkpointing=none")
     model_cfg = replace(cfg.model, n_layers=args.layers) if args.layers else cfg.model
     vocab = model_cfg.vocab_size or cfg.data.vocab_size
     model, step_module = build_model(lambda: Transformer(model_cfg, cfg.ffn, vocab, eot_id=0, float8=t.float8.value),
                                      t, d, 0, False)
+    assert step_module is model  # no wrapper: what the graph captures is the model's own forward
     opt = build_optimizer(model, cfg.optim, device)
     B, S, A = t.micro_batch_size, t.seq_len, args.accum
     parts = StepParts(model=model, train_module=step_module, optimizer=opt, dist=d, accum=A,
@@ -236,42 +249,47 @@ def run(cfg, args, d) -> dict:
                       autocast=autocast_for(t.precision, t.strategy, device), nonfinite=t.nonfinite)
     state = TrainState()
     g = torch.Generator().manual_seed(1234)
-    pool = []  # one step's micro-batches of random tokens, reused by every step
-    for _ in range(A):
-        tok = torch.randint(1, vocab, (B, S + 1), generator=g).to(device)
-        pool.append((tok[:, :-1], tok[:, 1:]))
+
+    def random_batch():  # contiguous, as the trainer's loader hands them over (a stride is a compile guard)
+        tok = torch.randint(1, vocab, (B, S + 1), generator=g)
+        return tok[:, :-1].contiguous().to(device), tok[:, 1:].contiguous().to(device)
+
+    pool = [random_batch() for _ in range(A)]  # one step's micro-batches, reused by every step
     nxt = iter(range(10**9))
 
     def next_batch():
         return pool[next(nxt) % A]
 
-    # 1. eager, the trainer's step
-    for _ in range(max(args.warmup, 1)):
+    def eager_step():
         train_step(parts, state, next_batch)
-    eager = timed(lambda: train_step(parts, state, next_batch), args.steps, device)
 
-    # 2. gradients from the same weights: eager twice, then replayed
+    # 1. eager, the trainer's step (its own token orders, drawn on the host per micro-batch)
+    for _ in range(max(args.warmup, 1)):
+        eager_step()
+    eager = [timed(eager_step, args.steps, device)]
+
+    # 2. gradients from the same weights: eager twice, then captured (on a batch not compared) and replayed
     model.set_2to4(parts.sparse_from is not None)
     feed = OrderFeed(model, B * S, device)
-    orders = [token_orders_from(g, B * S, max(feed.n, 1)) for _ in range(A)]
+    n_orders = max(feed.n, 1)
+    orders = [token_orders_from(g, B * S, n_orders) for _ in range(A)]
     ref, ref_loss = eager_grads(parts, feed, pool, orders)
     again, again_loss = eager_grads(parts, feed, pool, orders)
     runner = GraphedMicroBatch(parts, feed, B, S, device)
-    runner.capture(*pool[0], orders[0])
+    runner.capture(*random_batch(), token_orders_from(g, B * S, n_orders))
     got, got_loss = graphed_grads(runner, pool, orders)
-    check = {"eager_vs_eager": compare(ref, again), "eager_vs_graph": compare(ref, got),
-             "loss_eager": ref_loss.item(), "loss_eager_again": again_loss.item(), "loss_graph": got_loss.item()}
+    checks = {"eager_vs_eager": compare(ref, again), "eager_vs_graph": compare(ref, got),
+              "loss_eager": ref_loss.item(), "loss_eager_again": again_loss.item(), "loss_graph": got_loss.item()}
 
-    # 3. graphed steps: conversions, replays, clip, the fused optimizer's on-device skip, zero in place
-    host_orders = [token_orders_from(g, B * S, max(feed.n, 1)).pin_memory() if device.type == "cuda"
-                   else token_orders_from(g, B * S, max(feed.n, 1)) for _ in range(A)]
-
+    # 3. graphed steps: the weights' conversions, fresh token orders per micro-batch (as the eager
+    # model draws them), replays, clip, the fused optimizer's on-device skip, .grad zeroed in place
     def graphed_step():
         runner.refresh_conversions()
         loss_sum = torch.zeros((), device=device)
-        for i in range(A):
+        for _ in range(A):
             x, y = next_batch()
-            loss_sum += runner.micro(x, y, host_orders[i])
+            o = random_token_orders(B * S, feed.n, device) if feed.n else None
+            loss_sum += runner.micro(x, y, o)
         norm = clip_grad_norm(parts.params, parts.grad_clip if parts.grad_clip > 0 else float("inf"))
         if parts.skip_on_device:
             optimizer_step_skipping_on_device(parts, state, norm)
@@ -279,15 +297,39 @@ def run(cfg, args, d) -> dict:
             opt.step()
         opt.zero_grad(set_to_none=False)  # in place: the graph adds into these buffers
 
+    runner.zero_grads()  # the check above left its gradients there
     for _ in range(max(args.warmup, 1)):
         graphed_step()
     graphed = timed(graphed_step, args.steps, device)
+
+    # 4. the check again after the weights moved: the replay must see the new weights (and their
+    # conversions). Replayed first: the eager step then drops the .grad buffers the graph writes
+    got2, got2_loss = graphed_grads(runner, pool, orders)
+    ref2, ref2_loss = eager_grads(parts, feed, pool, orders)
+    checks.update(eager_vs_graph_updated=compare(ref2, got2), loss_eager_updated=ref2_loss.item(),
+                  loss_graph_updated=got2_loss.item())
+
+    # 5. eager again (its own token orders): the two eager figures bracket the graphed one in time
+    del model.token_orders
+    runner.graph = None
+    eager.append(timed(eager_step, args.steps, device))
+    checks["verdict"] = verdict(checks)
     tokens = A * B * S
-    row = {"ffn": cfg.ffn.kind, "float8": t.float8.value, "accum": A, "micro_batch": B, "seq_len": S,
-           "n_layers": model_cfg.n_layers, "eager": eager, "graphed": graphed, "check": check,
-           "eager_tokens_per_s": tokens / (eager["step_ms"] / 1e3),
-           "graphed_tokens_per_s": tokens / (graphed["step_ms"] / 1e3)}
-    return row
+    eager_ms = sum(e["step_ms"] for e in eager) / len(eager)
+    return {"ffn": cfg.ffn.kind, "float8": t.float8.value, "accum": A, "micro_batch": B, "seq_len": S,
+            "n_layers": model_cfg.n_layers, "eager": eager, "graphed": graphed, "check": checks,
+            "eager_tokens_per_s": tokens / (eager_ms / 1e3), "graphed_tokens_per_s": tokens / (graphed["step_ms"] / 1e3)}
+
+
+def verdict(c: dict) -> str:
+    """"bit-identical" where no gradient differs (before and after an update); else "within noise"
+    where the replay differs from eager no more than eager from itself (x2), else "differs"."""
+    g1, g2, ee = c["eager_vs_graph"], c["eager_vs_graph_updated"], c["eager_vs_eager"]
+    if g1["differ"] == g2["differ"] == 0:
+        return "bit-identical"
+    if ee["differ"] and max(g1["max_rel_diff"], g2["max_rel_diff"]) <= 2 * ee["max_rel_diff"]:
+        return "within noise"
+    return "differs"
 
 
 def main() -> int:
@@ -321,17 +363,20 @@ def main() -> int:
     shutdown(d)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"argv": sys.argv, "results": rows}, indent=2))
-    print("\n| ffn | eager tok/s | graphed tok/s | ratio | eager MHz, W, J | graphed MHz, W, J | grads differ (eager/eager, eager/graph) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| ffn | eager tok/s | graphed tok/s | ratio | eager MHz, W, J (before; after) | graphed MHz, W, J "
+          "| grads differ: eager/eager, eager/graph, after an update | rel. diff eager/eager, graph | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         e, g, c = r["eager"], r["graphed"], r["check"]
+        clocks = "; ".join(f"{x.get('sm_clock_mhz')}, {x.get('power_w')}, {x.get('step_j')}" for x in e)
+        n = c["eager_vs_eager"]["params"]
         print(f"| {r['ffn']} | {r['eager_tokens_per_s']:,.0f} | {r['graphed_tokens_per_s']:,.0f} | "
-              f"{r['graphed_tokens_per_s'] / r['eager_tokens_per_s']:.3f}x | "
-              f"{e.get('sm_clock_mhz')}, {e.get('power_w')}, {e.get('step_j')} | "
+              f"{r['graphed_tokens_per_s'] / r['eager_tokens_per_s']:.3f}x | {clocks} | "
               f"{g.get('sm_clock_mhz')}, {g.get('power_w')}, {g.get('step_j')} | "
-              f"{c['eager_vs_eager']['differ']}/{c['eager_vs_eager']['params']}, "
-              f"{c['eager_vs_graph']['differ']}/{c['eager_vs_graph']['params']} "
-              f"(max rel {c['eager_vs_graph']['max_rel_diff']:.1e}) |")
+              f"{c['eager_vs_eager']['differ']}/{n}, {c['eager_vs_graph']['differ']}/{n}, "
+              f"{c['eager_vs_graph_updated']['differ']}/{n} | {c['eager_vs_eager']['max_rel_diff']:.1e}, "
+              f"{max(c['eager_vs_graph']['max_rel_diff'], c['eager_vs_graph_updated']['max_rel_diff']):.1e} | "
+              f"{c['verdict']} |")
     print(f"record: {args.out}")
     return 0
 

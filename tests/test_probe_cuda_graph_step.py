@@ -36,14 +36,16 @@ def test_replayed_step_gives_the_eager_gradients_and_the_check_can_fail(tmp_path
     assert r.returncode == 0, r.stderr[-2000:]
     c = check(out)
     assert c["eager_vs_graph"]["params"] > 0 and c["eager_vs_graph"]["differ"] == 0
+    assert c["eager_vs_graph_updated"]["differ"] == 0 and c["verdict"] == "bit-identical"
     assert c["loss_graph"] == c["loss_eager"] == c["loss_eager_again"]
+    assert c["loss_graph_updated"] == c["loss_eager_updated"] != c["loss_eager"]  # the weights moved in between
     assert "| srelu24 |" in r.stdout
     bad = tmp_path / "bad.json"
     code = WRONG_ORDERS.format(lab=str(ROOT / "lab"), args=[*ARGS, "--out", str(bad)])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     c = check(bad)
-    assert c["eager_vs_eager"]["differ"] == 0 and c["eager_vs_graph"]["differ"] > 0
+    assert c["eager_vs_eager"]["differ"] == 0 and c["eager_vs_graph"]["differ"] > 0 and c["verdict"] == "differs"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -58,4 +60,4 @@ def test_captured_step_on_the_gpu_gives_the_eager_gradients_bit_for_bit(tmp_path
     for row in json.loads(out.read_text())["results"]:
         c = row["check"]
         assert c["eager_vs_eager"]["differ"] == 0, (row["ffn"], c)  # else bit-identity is not defined here
-        assert c["eager_vs_graph"]["differ"] == 0 and c["loss_graph"] == c["loss_eager"], (row["ffn"], c)
+        assert c["verdict"] == "bit-identical" and c["loss_graph"] == c["loss_eager"], (row["ffn"], c)
