@@ -780,7 +780,9 @@ def report(args, results: list[dict], device: torch.device) -> None:
     if any(r.get("clocks", {}).get("samples") for r in results):
         print("\nclocks over the timed steps (NVML medians; joules from its energy counter): "
               + "; ".join(f"{label(r)} {r['clocks'].get('sm_clock_mhz')} MHz, {r['clocks'].get('power_w')} W, "
-                          f"{r.get('step_j', float('nan')):.1f} J/step" for r in results if r.get("clocks")))
+                          f"{r.get('step_j', float('nan')):.1f} J/step"
+                          + (f", GPU busy {r['clocks']['gpu_busy_pct']:.0f}%" if r["clocks"].get("gpu_busy_pct") is not None
+                             else "") for r in results if r.get("clocks")))
     if any(r.get("energy") for r in results):
         print_energy([r for r in results if r.get("energy")])
     if any(r.get("top_kernels") for r in results):

@@ -25,7 +25,8 @@ and the energy per token (each interval's joules from the card's energy counter 
 or, in runs logged before the trainer recorded joules, its median power over its tokens/s, those
 readings covering its evaluations too; srelu24's 2:4 phase apart) are medians over the same intervals: on a power-capped GPU the
 variant that draws more power per cycle runs at a lower clock, so tokens/s follows energy per
-token.
+token. GPU busy is NVML's utilisation, the share of time some kernel ran: under 100% the step
+waited on the host (or the data), and its power sits below the cap.
 
 Time (--time): each log row's tokens/s covers the training steps since the previous log row, and
 neither evaluation nor checkpoints (training/metrics.py pauses its interval for them), so
@@ -253,6 +254,7 @@ def summarize(run: Path, basis: str = "steady") -> dict:
         "mfu": median([r["mfu"] for r in window if "mfu" in r]),
         "sm_clock_mhz": median([r["gpu_sm_clock_mhz"] for r in window if finite(r.get("gpu_sm_clock_mhz"))]),
         "power_w": median([r["gpu_power_w"] for r in window if finite(r.get("gpu_power_w"))]),
+        "gpu_busy_pct": median([r["gpu_busy_pct"] for r in window if finite(r.get("gpu_busy_pct"))]),
         "mj_per_token": median([e for e in (mj_per_token(r, gpus) for r in window) if e is not None]),
         "mj_per_token_24": phase_medians(timed, lambda r: mj_per_token(r, gpus))[1],
         "act_sparsity": statistics.fmean(sparsity[-1]) if sparsity else None,
@@ -305,6 +307,7 @@ COLUMNS = [("run", "run", str), ("variant", "variant", str), ("precision", "prec
            ("tokens_per_s_dense", "tokens/s (srelu24 dense warmup median)", "{:,.0f}".format),
            ("tokens_per_s_24", "tokens/s (2:4 phase median)", "{:,.0f}".format), ("mfu", "MFU", "{:.1%}".format),
            ("sm_clock_mhz", "SM clock (MHz)", "{:.0f}".format), ("power_w", "power (W)", "{:.0f}".format),
+           ("gpu_busy_pct", "GPU busy (%)", "{:.0f}".format),
            ("mj_per_token", "mJ/token", "{:.2f}".format), ("mj_per_token_24", "mJ/token (2:4 phase)", "{:.2f}".format),
            ("act_sparsity", "act sparsity (mean)", "{:.3f}".format),
            ("peak_mem_gib", "peak mem alloc (GiB)", "{:.2f}".format)]

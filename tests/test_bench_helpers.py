@@ -84,7 +84,7 @@ def test_throughput_logs_the_interval_clock_when_given_a_sampler():
         def resume(self):
             self.calls.append("resume")
 
-    sampler = Sampler([{"samples": 4, "sm_clock_mhz": 1560.0, "power_w": 691.0, "energy_j": 3.0},
+    sampler = Sampler([{"samples": 4, "sm_clock_mhz": 1560.0, "power_w": 691.0, "energy_j": 3.0, "gpu_busy_pct": 96.0},
                        {"error": "no samples", "energy_j": 1.0}])
     m = Throughput(torch.device("cpu"), 100, 1000, world_size=2, clocks=sampler)
     m.step()
@@ -97,8 +97,9 @@ def test_throughput_logs_the_interval_clock_when_given_a_sampler():
     assert row["gpu_sm_clock_mhz"] == 1560.0 and row["gpu_power_w"] == 691.0 and sampler.calls == ["pause", "resume"]
     # this GPU's 3 J over its share of 2 steps x 1000 tokens on 2 GPUs
     assert row["gpu_energy_j"] == 3.0 and row["gpu_mj_per_token"] == pytest.approx(3.0)
+    assert row["gpu_busy_pct"] == 96.0
     m.step()
-    assert not {"gpu_sm_clock_mhz", "gpu_energy_j"} & set(m.read())  # an interval without samples logs nothing
+    assert not {"gpu_sm_clock_mhz", "gpu_energy_j", "gpu_busy_pct"} & set(m.read())  # an interval without samples logs nothing
     assert "gpu_sm_clock_mhz" not in Throughput(torch.device("cpu"), 100, 10).read()
 
 
@@ -185,3 +186,21 @@ def test_rowwise_inductor_options_do_not_reach_the_next_row():
         inductor.triton.prefer_nd_tiling = not before[1]
         raise RuntimeError("a row that fails")
     assert inductor.triton.prefer_nd_tiling == before[1]
+
+
+def test_the_clocks_line_names_a_waiting_gpu(tmp_path, capsys):
+    """bench_step's clock line gives NVML's GPU busy % where the card reports it."""
+    import types
+
+    from scripts import bench_step
+    args = types.SimpleNamespace(out=tmp_path / "r.json", override=["+experiment=demo"], print_kernels=3)
+    row = {"ffn": "srelu24", "precision": "tensorwise", "n_layers": 1, "layers_cut_from": None, "world_size": 1,
+           "strategy": "none", "micro_batch": 2, "seq_len": 8, "accum": 1, "step_ms": 1.0, "data_ms": 0.0,
+           "forward_ms": 0.5, "backward_ms": 0.4, "optimizer_ms": 0.1, "tokens_per_s": 10.0, "mfu": None,
+           "peak_mem_gib": None, "estimated_peak_gib": 0.1, "step_j": 5.0, "commit": "abc1234", "dirty": False,
+           "clocks": {"samples": 3, "sm_clock_mhz": 1500.0, "power_w": 600.0, "gpu_busy_pct": 71.0}}
+    dense = dict(row, ffn="srelu", clocks={"samples": 3, "sm_clock_mhz": 1600.0, "power_w": 690.0})
+    bench_step.report(args, [dense, row], torch.device("cpu"))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("clocks over the timed steps"))
+    assert line.endswith("srelu24 tensorwise 1500.0 MHz, 600.0 W, 5.0 J/step, GPU busy 71%")
+    assert "690.0 W, 5.0 J/step;" in line  # no busy figure where the card gave none

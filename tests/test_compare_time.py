@@ -22,7 +22,7 @@ VAL_STEPS = (20, 40, 60, 80, 100)  # eval every 20
 
 
 def make_run(root: Path, job: str, ffn: str, float8: str, *, seed=1337, gpus=1, speeds, val, modes=None,
-             wandb_mode="offline", name="study_speed", elapsed=None, power=None, clock=None) -> Path:
+             wandb_mode="offline", name="study_speed", elapsed=None, power=None, clock=None, busy=None) -> Path:
     """A run directory as the trainer writes it: config_resolved.yaml, run_info.json, metrics.jsonl.
     speeds: tokens/s of each log interval; val: validation loss at VAL_STEPS; modes: mode_2to4 per row;
     power, clock: NVML's W and MHz per interval (none logged without them)."""
@@ -39,6 +39,8 @@ def make_run(root: Path, job: str, ffn: str, float8: str, *, seed=1337, gpus=1, 
                "elapsed_s": elapsed[i] if elapsed else 100.0 + step, "mode_2to4": modes[i] if modes else 0}
         if power:
             row["gpu_power_w"], row["gpu_sm_clock_mhz"] = power[i], clock[i]
+        if busy:
+            row["gpu_busy_pct"] = busy[i]
         if step in VAL_STEPS:
             row["val_loss"] = val[VAL_STEPS.index(step)]
         rows.append(row)
@@ -248,11 +250,13 @@ def test_clock_power_and_energy_per_token_over_the_steady_intervals(tmp_path, ca
     m = tmp_path / "multirun"
     power = [300.0] + [700.0] * 3 + [500.0] * 3 + [600.0] * 3  # compile, dense (and the switch); 2:4
     clock = [1980.0] + [1500.0] * 3 + [1600.0] * 6
+    busy = [50.0] + [99.0] * 4 + [80.0] * 5  # compile; dense; 2:4 waiting on the host
     run = make_run(m, "0_srelu24", "srelu24", "tensorwise", speeds=SRELU24_SPEEDS, modes=SRELU24_MODES,
-                   val=[5.0, 4.0, 3.5, 3.2, 3.0], power=power, clock=clock)
+                   val=[5.0, 4.0, 3.5, 3.2, 3.0], power=power, clock=clock, busy=busy)
     make_run(m, "1_srelu", "srelu", "tensorwise", speeds=[100.0] + [1000.0] * 9, val=[5.0, 4.0, 3.5, 3.2, 3.1])
     r = compare.summarize(run)
     assert r["sm_clock_mhz"] == 1600.0 and r["power_w"] == 600.0
+    assert r["gpu_busy_pct"] == 80.0  # intervals 2-10: 99 (x4), 80 (x5)
     # mJ/token of intervals 2-10: 700 (x2, dense), 14000 (the switch: 700 W at 50 tokens/s),
     # 400 (x3) and 480 (x3) in 2:4 -> the 5th of 9 sorted: 480
     assert r["mj_per_token"] == pytest.approx(480.0)
@@ -261,9 +265,10 @@ def test_clock_power_and_energy_per_token_over_the_steady_intervals(tmp_path, ca
     assert compare.main([str(m), "--out", str(tmp_path / "rep"), "--wandb", "disabled"]) == 0
     rows = read_csv(tmp_path / "rep" / "summary.csv")
     assert float(rows["srelu24"]["mj_per_token_24"]) == pytest.approx(440.0)
-    assert rows["srelu"]["mj_per_token"] == "" and rows["srelu"]["power_w"] == ""
+    assert rows["srelu"]["mj_per_token"] == "" and rows["srelu"]["power_w"] == "" and rows["srelu"]["gpu_busy_pct"] == ""
+    assert float(rows["srelu24"]["gpu_busy_pct"]) == 80.0
     table = capsys.readouterr().out
-    assert "| mJ/token |" in table and "| 480.00 | 440.00 |" in table
+    assert "| mJ/token |" in table and "| 480.00 | 440.00 |" in table and "| GPU busy (%) |" in table
 
 
 def test_energy_per_token_needs_power_and_a_positive_rate():

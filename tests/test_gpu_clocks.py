@@ -20,6 +20,7 @@ class FakeNVML(types.ModuleType):
         super().__init__("pynvml")
         self.fail_init, self.reads, self.t0, self.lock = fail_init, 0, time.perf_counter(), threading.Lock()
         self.handles = []
+        self.no_utilisation = False  # a card (a MIG slice) that does not report it
 
     def nvmlInit(self):
         if self.fail_init:
@@ -50,6 +51,11 @@ class FakeNVML(types.ModuleType):
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
         return int((time.perf_counter() - self.t0) * 700_000)  # mJ
 
+    def nvmlDeviceGetUtilizationRates(self, h):
+        if self.no_utilisation:
+            raise RuntimeError("Not Supported")
+        return types.SimpleNamespace(gpu=97, memory=40)
+
 
 @pytest.fixture
 def nvml(monkeypatch):
@@ -70,6 +76,7 @@ def test_sampler_streams_medians_and_joules_per_interval(nvml):
     assert first["samples"] >= 3 and second["samples"] >= 3
     assert second["sm_clock_mhz"] > first["sm_clock_mhz"]  # separate intervals, not one running median
     assert first["power_w"] == 690.5 and first["throttle_reasons"] == ["0x0000000000000004"]
+    assert first["gpu_busy_pct"] == second["gpu_busy_pct"] == 97.0
     for interval in (first, second):  # 700 W over ~0.3 s each
         assert interval["energy_j"] == pytest.approx(0.3 * 700, rel=0.3)
     whole = s.summary()
@@ -156,3 +163,13 @@ def test_summarise_takes_medians_and_says_why_when_empty():
     assert summarise(rows) == {"samples": 3, "sm_clock_mhz": 1440.0, "power_w": 695.0, "temp_c": 62.0,
                                "throttle_reasons": ["0x0", "0x4"]}
     assert summarise([], "NVML is not available") == {"error": "NVML is not available"}
+
+
+def test_a_card_without_utilisation_still_reports_clocks_and_power(nvml):
+    nvml.no_utilisation = True
+    with ClockSampler(interval_ms=20) as s:
+        time.sleep(0.15)
+    out = s.summary()
+    assert out["samples"] >= 2 and out["power_w"] == 690.5 and "gpu_busy_pct" not in out
+    assert summarise([(1500.0, 600.0, 55.0, "0x4", None), (1600.0, 650.0, 56.0, "0x4", 80.0),
+                      (1700.0, 700.0, 57.0, "0x4", 90.0)])["gpu_busy_pct"] == 90.0  # the median of the readings it has

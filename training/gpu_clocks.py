@@ -8,7 +8,8 @@ trainer logs them:
 
     with ClockSampler(device) as clocks:
         run_steps()             # synchronised before the block ends
-    clocks.summary()            # {"samples": 31, "sm_clock_mhz": 1755, "power_w": 512.3, "energy_j": 95.1, ...}
+    clocks.summary()            # {"samples": 31, "sm_clock_mhz": 1755, "power_w": 512.3, "energy_j": 95.1,
+                                #  "gpu_busy_pct": 99.0, ...}
 
     sampler = ClockSampler(device, interval_ms=500).start()   # the trainer: one per run
     sampler.pause(); evaluate(); sampler.resume()             # left out of the next take()
@@ -89,7 +90,16 @@ class ClockSampler:
         n, h = self.nvml, self.handle
         reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
         return (float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)), n.nvmlDeviceGetPowerUsage(h) / 1e3,
-                float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)), f"0x{reasons(h):016x}")
+                float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)), f"0x{reasons(h):016x}", self.busy())
+
+    def busy(self) -> float | None:
+        """NVML's GPU utilisation: the percent of its last sample period (1/6 s to 1 s) in which some
+        kernel ran. Under 100 in a training loop: the GPU waited, on the host or on data. None where
+        the card does not report it (MIG slices)."""
+        try:
+            return float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+        except Exception:  # noqa: BLE001 - pynvml.NVMLError_NotSupported and kin; an older stand-in without it
+            return None
 
     def sample(self) -> bool:
         """One reading: into summary()'s samples, and take()'s unless paused. False if NVML failed."""
@@ -179,9 +189,13 @@ def summarise(rows: list, error: str | None = None) -> dict:
         return {"error": error or "no samples (the block ran shorter than one NVML reading?)"}
 
     def med(i):
-        return sorted(r[i] for r in rows)[len(rows) // 2]
-    return {"samples": len(rows), "sm_clock_mhz": med(0), "power_w": med(1), "temp_c": med(2),
-            "throttle_reasons": sorted({r[3] for r in rows})}
+        values = sorted(r[i] for r in rows if len(r) > i and r[i] is not None)
+        return values[len(values) // 2] if values else None
+    out = {"samples": len(rows), "sm_clock_mhz": med(0), "power_w": med(1), "temp_c": med(2),
+           "throttle_reasons": sorted({r[3] for r in rows})}
+    if (busy := med(4)) is not None:
+        out["gpu_busy_pct"] = busy
+    return out
 
 
 def energy_during(fn, seconds: float, device=None, warmup_s: float = 0.5) -> dict:
