@@ -57,17 +57,6 @@ from training.step import StepParts, TrainState, optimizer_step_skipping_on_devi
 from srelu24_kernels.srelu24.reference import random_token_orders  # noqa: E402
 
 
-def token_orders_from(g: torch.Generator, T: int, n: int) -> torch.Tensor:
-    """n random token orders and their inverses [n, 2, T] int32, as random_token_orders draws them,
-    from generator g (the same orders for the eager and the replayed step)."""
-    out = torch.empty(n, 2, T, dtype=torch.int32)
-    ar = torch.arange(T, dtype=torch.int32)
-    for i in range(n):
-        out[i, 0] = torch.randperm(T, generator=g, dtype=torch.int32)
-        out[i, 1, out[i, 0].long()] = ar
-    return out
-
-
 class OrderFeed:
     """The model's token orders read from one fixed device buffer, refilled before each micro-batch."""
 
@@ -272,11 +261,11 @@ def run(cfg, args, d) -> dict:
     model.set_2to4(parts.sparse_from is not None)
     feed = OrderFeed(model, B * S, device)
     n_orders = max(feed.n, 1)
-    orders = [token_orders_from(g, B * S, n_orders) for _ in range(A)]
+    orders = [random_token_orders(B * S, n_orders, "cpu", generator=g) for _ in range(A)]
     ref, ref_loss = eager_grads(parts, feed, pool, orders)
     again, again_loss = eager_grads(parts, feed, pool, orders)
     runner = GraphedMicroBatch(parts, feed, B, S, device)
-    runner.capture(*random_batch(), token_orders_from(g, B * S, n_orders))
+    runner.capture(*random_batch(), random_token_orders(B * S, n_orders, "cpu", generator=g))
     got, got_loss = graphed_grads(runner, pool, orders)
     checks = {"eager_vs_eager": compare(ref, again), "eager_vs_graph": compare(ref, got),
               "loss_eager": ref_loss.item(), "loss_eager_again": again_loss.item(), "loss_graph": got_loss.item()}

@@ -165,6 +165,11 @@ def phase_medians(timed: list[dict], value=lambda r: r.get("tokens_per_s")) -> d
     return {p: median([v for v in values if finite(v)]) for p, values in per_phase.items()}
 
 
+def logged_median(rows: list[dict], key: str):
+    """Median of a field over the rows that logged it (NVML's readings are absent without a GPU)."""
+    return median([r[key] for r in rows if finite(r.get(key))])
+
+
 def mj_per_token(row: dict, gpus: int = 1) -> Optional[float]:
     """A log interval's energy per token in mJ, per GPU over that GPU's share of the tokens: the
     trainer's, from the card's energy counter (gpu_mj_per_token), else the logging GPU's median
@@ -252,9 +257,9 @@ def summarize(run: Path, basis: str = "steady") -> dict:
         "tokens_per_s_dense": speeds[0] if variant == "srelu24" else None,
         "tokens_per_s_24": speeds[1],
         "mfu": median([r["mfu"] for r in window if "mfu" in r]),
-        "sm_clock_mhz": median([r["gpu_sm_clock_mhz"] for r in window if finite(r.get("gpu_sm_clock_mhz"))]),
-        "power_w": median([r["gpu_power_w"] for r in window if finite(r.get("gpu_power_w"))]),
-        "gpu_busy_pct": median([r["gpu_busy_pct"] for r in window if finite(r.get("gpu_busy_pct"))]),
+        "sm_clock_mhz": logged_median(window, "gpu_sm_clock_mhz"),
+        "power_w": logged_median(window, "gpu_power_w"),
+        "gpu_busy_pct": logged_median(window, "gpu_busy_pct"),
         "mj_per_token": median([e for e in (mj_per_token(r, gpus) for r in window) if e is not None]),
         "mj_per_token_24": phase_medians(timed, lambda r: mj_per_token(r, gpus))[1],
         "act_sparsity": statistics.fmean(sparsity[-1]) if sparsity else None,

@@ -85,16 +85,16 @@ def random_token_order(T: int, device) -> Tensor:
     return perm.to(dev, non_blocking=True)
 
 
-def random_token_orders(T: int, n: int, device) -> Tensor:
+def random_token_orders(T: int, n: int, device, generator: Optional[torch.Generator] = None) -> Tensor:
     """n random token orders and their inverses, [n, 2, T] int32 ([i, 0] the order, [i, 1] its
     inverse): one per layer of a training step, for the model to permute the FFN's tokens where
     they are produced and consumed (permute_rows). All drawn and inverted on the host (CPU
-    generator) and moved in one copy from pinned memory."""
+    generator: torch's default, or `generator`) and moved in one copy from pinned memory."""
     dev = torch.device(device)
     out = torch.empty(n, 2, T, dtype=torch.int32, pin_memory=dev.type == "cuda")
     ar = torch.arange(T, dtype=torch.int32)
     for i in range(n):
-        out[i, 0] = torch.randperm(T, dtype=torch.int32)
+        out[i, 0] = torch.randperm(T, dtype=torch.int32, generator=generator)
         out[i, 1, out[i, 0].long()] = ar
     return out.to(dev, non_blocking=True)
 
