@@ -23,7 +23,7 @@ GRIDS = {  # experiment -> its arms: (ffn, trainer.float8, seed)
                        "srelu24_tensorwise_seed2": ("srelu24", "tensorwise", 2)},
 }
 SHAPES = {"study_speed": ("1b", 2048, 20), "study_speed_7b": ("7b", 4096, 8)}  # model, dim, layers
-STEPS = {"study_speed": 500, "study_speed_7b": 250}
+STEPS = {"study_speed": 500, "study_speed_7b": 500}
 
 
 def sweep(experiment: str):
