@@ -46,6 +46,9 @@ class FFNConfig:
     reuse_forward_mask: bool = True      # backward re-applies the forward 2:4 mask to dZ
     kernels: bool = True                 # fused GPU kernels + cuSPARSELt where they run (sm80/sm90)
     sparse_float8: bool = True           # with trainer.float8 set, the four 2:4 GEMMs in e4m3 too (false: bf16)
+    # cuSPARSELt's algorithm id for every 2:4 GEMM; null: timed per shape at its first use (so two
+    # runs may choose differently; the choice is logged)
+    sparse_gemm_alg: Optional[int] = None
 
     def __post_init__(self):  # also where Hydra's config becomes objects: an unknown kind fails at start-up
         check_ffn_kind(self.kind)

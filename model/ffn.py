@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from srelu24_kernels.cusparselt.binding import set_algorithm
 from srelu24_kernels.ffn_stats import N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, srelu24_sums
 from srelu24_kernels.float8 import scaled_mm_shapes
 from srelu24_kernels.srelu24.options import OpOptions, StepState
@@ -155,6 +156,7 @@ class SReLU24(SReLU):
         training/float8.py converts the linears."""
         recipe = SReLU24Recipe(cfg.token_permutation, cfg.dense_feature_fraction, cfg.reuse_forward_mask)
         float8 = float8 if scaled_mm_shapes(dim, hidden) else "none"
+        set_algorithm(cfg.sparse_gemm_alg)  # process-wide, as cuSPARSELt's plans are
         return cls(dim, hidden, OpOptions(recipe, float8, cfg.sparse_float8), cfg.kernels)
 
     @property

@@ -1,5 +1,6 @@
 """Config composition and the start-up errors a user sees for bad settings."""
 import re
+from pathlib import Path
 
 import pytest
 
@@ -356,3 +357,16 @@ def test_a_bad_wandb_mode_variable_is_one_line_naming_it():
                     "dryrun and run mean offline and online), or set logging.wandb.mode")
     r = run_train(["trainer.dry_run=true", "logging.wandb.mode=disabled"], env={"WANDB_MODE": "loud"})
     assert r.returncode == 0, r.stderr
+
+
+def test_resume_may_change_the_implementation_settings_but_not_the_recipe():
+    """ffn.kernels and ffn.sparse_gemm_alg choose how the same function is computed: a resume may
+    change them (to rule out a kernel, say); the recipe's settings stop it."""
+    from training.config_checks import check_resume
+    from training.errors import ConfigError
+
+    saved = {"ffn": {"kind": "srelu24", "kernels": True, "sparse_gemm_alg": None, "dense_warmup_steps": 75}}
+    now = {"ffn": {"kind": "srelu24", "kernels": False, "sparse_gemm_alg": 0, "dense_warmup_steps": 75}}
+    assert check_resume(Path("ck"), saved, now, []) == []
+    with pytest.raises(ConfigError, match="ffn.dense_warmup_steps 75 -> 38"):
+        check_resume(Path("ck"), saved, {"ffn": {**now["ffn"], "dense_warmup_steps": 38}}, [])

@@ -1,6 +1,9 @@
 """srelu24_kernels/cusparselt/binding.py: cached cuSPARSELt plans give torch._cslt_sparse_mm's product bit for
-bit (GPU), and fall back to torch's op with a warning when the library cannot be used (CPU)."""
+bit (GPU), and fall back to torch's op with a warning when the library cannot be used (CPU); the
+algorithm id per shape: searched and checked, or set by ffn.sparse_gemm_alg."""
+import logging
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -148,3 +151,56 @@ def test_inputs_the_plans_are_not_built_for_go_to_torchs_op(fresh_cache):
     planned = set(C._PLANS)
     C.cached_mm(a.view(torch.float16), strided.contiguous().view(torch.float16), 0)
     assert set(C._PLANS) == planned  # the fp16 call went straight to torch's op
+
+
+@pytest.fixture
+def fresh_algs(monkeypatch):
+    monkeypatch.setattr(C, "_SEARCHED", {})
+    monkeypatch.setattr(C, "_FIXED", [None])
+
+
+def _fake_search(monkeypatch, alg: int, differs: bool):
+    """torch's mm_search answering `alg`, and torch_mm's products at that id equal to id 0's or not."""
+    searches = []
+    monkeypatch.setattr(torch._C, "_cusparselt", SimpleNamespace(
+        mm_search=lambda *args: searches.append(args) or (alg, 1, 0, 30)), raising=False)
+    monkeypatch.setattr(C, "torch_mm", lambda a, b, i, t=False: torch.ones(4, 4) * (2 if differs and i else 1))
+    return searches
+
+
+@pytest.mark.parametrize("differs", [False, True])
+def test_searched_algorithm_is_kept_if_its_product_matches_id_0_and_logged_once(monkeypatch, fresh_algs, caplog,
+                                                                                   differs):
+    searches = _fake_search(monkeypatch, 21, differs)
+    a, b = torch.zeros(64, 36, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger=C.__name__):
+        got = [C.searched_alg(a, b), C.searched_alg(a, b)]
+    assert got == [0, 0] if differs else [21, 21]
+    assert len(searches) == 1  # cached per shape
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "A [64, 36]" in msg and "B [64, 32]" in msg
+    assert msg.endswith("algorithm 0 (id 21 searched, its product differs from id 0's)" if differs
+                        else "algorithm 21 (searched)")
+
+
+def test_a_set_algorithm_is_used_for_every_shape_without_a_search(monkeypatch, fresh_algs, caplog):
+    searches = _fake_search(monkeypatch, 21, False)
+    C.set_algorithm(3)
+    with caplog.at_level(logging.INFO, logger=C.__name__):
+        got = [C.searched_alg(torch.zeros(64, 36), torch.zeros(64, n), t) for n in (32, 64) for t in (False, True)]
+    assert got == [3] * 4 and not searches
+    assert len(caplog.records) == 4 and all(r.getMessage().endswith("algorithm 3 (set by ffn.sparse_gemm_alg)")
+                                            for r in caplog.records)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        C.set_algorithm(-1)
+
+
+def test_ffn_sparse_gemm_alg_reaches_the_gemms(fresh_algs):
+    """A model built from the config sets the id for the process (ffn.sparse_gemm_alg=null: searched)."""
+    from helpers import compose_config, to_object
+    from model.ffn import SReLU24
+
+    for value, want in (("5", 5), ("null", None)):
+        cfg = to_object(compose_config(["ffn=srelu24", f"ffn.sparse_gemm_alg={value}"]))
+        SReLU24.from_config(64, 256, cfg.ffn)
+        assert C._FIXED == [want]

@@ -61,7 +61,7 @@ RANGES = {
     "model.swiglu_hidden": POSITIVE, "model.vocab_size": POSITIVE, "model.max_seq_len": POSITIVE,
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.init_std": POSITIVE,
     "ffn.hidden_dim": POSITIVE, "ffn.dense_warmup_steps": NON_NEGATIVE,
-    "ffn.dense_feature_fraction": Range(0, 1, hi_open=True),
+    "ffn.dense_feature_fraction": Range(0, 1, hi_open=True), "ffn.sparse_gemm_alg": NON_NEGATIVE,
     "data.max_documents": POSITIVE, "data.vocab_size": Range(MIN_VOCAB_SIZE),  # byte-level BPE's alphabet
     "data.tokenizer_train_documents": POSITIVE, "data.val_fraction": Range(0, 1, lo_open=True, hi_open=True),
     "data.shard_tokens": POSITIVE,
@@ -173,7 +173,7 @@ def resolve_vocab_size(m: ModelConfig, data_vocab: int) -> int:
 GUARDED = ("model", "ffn", "optim", "trainer.seed", "trainer.seq_len", "trainer.batch_size", "trainer.max_steps",
            "trainer.total_tokens")
 # under a guarded group but not the computation: a label, or an implementation of the same math
-UNGUARDED = ("model.name", "ffn.kernels", "optim.fused")
+UNGUARDED = ("model.name", "ffn.kernels", "ffn.sparse_gemm_alg", "optim.fused")
 
 
 def _guarded(key: str) -> bool:

@@ -25,6 +25,7 @@ streams do not share it. Plans are never freed (one per shape, a few KiB of host
 """
 import ctypes
 import glob
+import logging
 import os
 import threading
 import warnings
@@ -181,23 +182,43 @@ def torch_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) -> 
 
 
 _SEARCHED: dict = {}  # (A shape, B shape, B strides, transpose_result, A dtype) -> algorithm id
+_FIXED: list = [None]  # ffn.sparse_gemm_alg: one algorithm id for every shape, or None: searched per shape
+_log = logging.getLogger(__name__)
+
+
+def set_algorithm(alg: Optional[int]) -> None:
+    """The 2:4 GEMMs from now on at algorithm id `alg` for every shape (ffn.sparse_gemm_alg), or
+    None: the id searched per shape (searched_alg). Process-wide, as the plans are."""
+    if alg is not None and (not isinstance(alg, int) or alg < 0):
+        raise ValueError(f"a cuSPARSELt algorithm id is an integer >= 0, got {alg!r}")
+    _FIXED[0] = alg
 
 
 def searched_alg(a: Tensor, b: Tensor, transpose_result: bool = False) -> int:
-    """The algorithm id torch's mm_search finds fastest for this shape, layout and dtype (cached).
-    An upstream issue reports wrong results for some ids, so a searched id is kept only if its
-    product matches id 0's; 0 where there is no search (or the CPU stand-in in tests)."""
+    """The algorithm id for this shape, layout and dtype (cached, and logged once): set_algorithm's
+    where one is set, else the one torch's mm_search finds fastest. The search times the ids on the
+    GPU, so two runs can choose differently. An upstream issue reports wrong results for some ids,
+    so a searched id is kept only if its product matches id 0's; 0 where there is no search (or
+    the CPU stand-in in tests)."""
     key = (tuple(a.shape), tuple(b.shape), b.stride(), transpose_result, a.dtype)
     if key not in _SEARCHED:
-        _SEARCHED[key] = 0
-        try:
-            out = torch.bfloat16 if a.dtype == torch.float8_e4m3fn else None
-            alg = torch._C._cusparselt.mm_search(a, b, None, None, out, transpose_result)[0]
-            ref, got = torch_mm(a, b, 0, transpose_result).float(), torch_mm(a, b, alg, transpose_result).float()
-            if ((got - ref).norm() <= 1e-3 * ref.norm()).item():
-                _SEARCHED[key] = alg
-        except (AttributeError, RuntimeError, TypeError):
-            pass  # no search in this build: the default algorithm
+        how = "set by ffn.sparse_gemm_alg"
+        _SEARCHED[key] = _FIXED[0]
+        if _FIXED[0] is None:
+            how, _SEARCHED[key] = "searched", 0
+            try:
+                out = torch.bfloat16 if a.dtype == torch.float8_e4m3fn else None
+                alg = torch._C._cusparselt.mm_search(a, b, None, None, out, transpose_result)[0]
+                ref, got = torch_mm(a, b, 0, transpose_result).float(), torch_mm(a, b, alg, transpose_result).float()
+                if ((got - ref).norm() <= 1e-3 * ref.norm()).item():
+                    _SEARCHED[key] = alg
+                else:
+                    how = f"id {alg} searched, its product differs from id 0's"
+            except (AttributeError, RuntimeError, TypeError):
+                how = "no search in this build"  # the default algorithm
+        _log.info(f"cuSPARSELt 2:4 GEMM, {str(a.dtype).removeprefix('torch.')} A {list(a.shape)} (compressed) x B "
+                  f"{list(b.shape)}{' (K-major)' if not b.is_contiguous() else ''}"
+                  f"{', transposed result' if transpose_result else ''}: algorithm {_SEARCHED[key]} ({how})")
     return _SEARCHED[key]
 
 
