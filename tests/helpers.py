@@ -108,7 +108,10 @@ def kernel_ffn(x, w1, w2, recipe, stats=None, float8: str = "none", sparse_float
 
 def forward_args(x, w1, w2, collect_stats: bool, options) -> tuple:
     """srelu24::ffn_forward's arguments for a call without a step's state."""
-    return (x, w1, w2, [], None, None, collect_stats, *options.flags())
+    from srelu24_kernels.srelu24.op import keeps_a24
+
+    return (x, w1, w2, [], None, None, collect_stats, keeps_a24(x, w1, options.recipe.reuse_forward_mask),
+            *options.flags())
 
 
 def backward_args(dy, x, w1, w2, saved, counts, options) -> tuple:

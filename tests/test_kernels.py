@@ -389,6 +389,28 @@ def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
     assert saved.shape == (1000, 1024)
 
 
+def test_the_forward_op_keeps_what_its_caller_asks_and_refuses_a24_it_cannot_make():
+    """keep_a24 is the op's argument, so it is a constant of a compiled graph (and of Inductor's
+    cache key): the fake's saved operand follows it, and the real op refuses A24 where the CUDA
+    kernels cannot make it, in one line, instead of handing back Z in its place."""
+    import srelu24_kernels.srelu24.op as K
+
+    T, d, F_ = 100, 64, 128
+    o = OpOptions(SReLU24Recipe(True, 0.05, True))
+    meta = (torch.empty(T, d, dtype=torch.bfloat16, device="meta"), torch.empty(F_, d, dtype=torch.bfloat16, device="meta"),
+            torch.empty(d, F_, dtype=torch.bfloat16, device="meta"))
+    for keep, shape in ((True, (padded(T, ROWS_PER_BAND), F_ * 9 // 16)), (False, (T, F_))):
+        args = list(forward_args(*meta, False, o))
+        args[7] = keep
+        assert K.ffn_forward(*args)[1].shape == shape
+    x, w1, w2 = torch.randn(T, d, dtype=torch.bfloat16), torch.randn(F_, d, dtype=torch.bfloat16), torch.randn(d, F_, dtype=torch.bfloat16)
+    args = list(forward_args(x, w1, w2, False, o))
+    assert args[7] is False  # no CUDA kernels on the CPU
+    args[7] = True
+    with pytest.raises(ValueError, match="asked to keep A24"):
+        K.ffn_forward(*args)
+
+
 def test_relu_comes_back_exactly_from_the_rounded_square():
     """What the backward over A24 relies on (srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu, relu_from_a24): for every
     bf16 z whose square is a normal bf16, bf16(sqrt(bf16(z^2))) == z, and sqrt(a) stays far enough

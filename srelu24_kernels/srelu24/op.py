@@ -7,8 +7,8 @@ Same function as srelu24_kernels.srelu24.reference.srelu24_ffn (its reference), 
               Y = A24 W2^T               sparse (e4m3 under trainer.float8 unless ffn.sparse_float8=false,
                                          as the other three sparse GEMMs: srelu24_kernels/float8/sparse.py)
               kept for the backward: compressed A24 (9/16 of Z's bytes) where the CUDA backward
-              kernel is built, else Z (the Triton backward reads Z); `keeps_a24` decides, and the
-              backward is told which
+              kernel is built, else Z (the Triton backward reads Z); `keeps_a24` decides, the
+              caller passes the choice in (keep_a24), and the backward is told which
     backward  dA = dY W2                 dense (float8 as Z)
               the three sparse operands from one pass over A24 (or Z) and dA (sparsify_backward.py)
               dX = dZ W1                 sparse: dZ compressed at the forward's positions
@@ -48,6 +48,7 @@ from ..cusparselt.layout import COLS_PER_CHUNK, ROWS_PER_BAND, pad_rows, padded
 from ..ffn_stats import N_SUMS, srelu24_sums_from_counts
 from ..float8 import gemm as fp8_gemm
 from ..float8 import sparse as fp8_sparse
+from .native import KERNELS
 from .options import OpOptions, StepState, WeightOperands
 from .reference import densest_from_counts, random_token_order
 from .sparsify import srelu_sparsify_2to4
@@ -116,14 +117,21 @@ def _weight_grad_mm(a: Tensor, dense_rows: Optional[Tensor], b: Tensor, e4m3: bo
 
 @torch.library.custom_op("srelu24::ffn_forward", mutates_args=())
 def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w1: Optional[Tensor],
-                grad_w2: Optional[Tensor], collect_stats: bool, token_permutation: bool,
+                grad_w2: Optional[Tensor], collect_stats: bool, keep_a24: bool, token_permutation: bool,
                 dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
                 sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(Y [T, d]; A24 [padded(T, 64), 9F/16] or Z [T, F], as `keeps_a24` says, for the backward;
+    """(Y [T, d]; A24 [padded(T, 64), 9F/16] if keep_a24 else Z [T, F], for the backward;
     kept non-zeros per feature [F] int32; the statistics row [N_SUMS] float64, empty unless
     collect_stats). weights: WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the
-    buffers it adds into), taken here so that autograd hands them to it."""
+    buffers it adds into), taken here so that autograd hands them to it. keep_a24: `keeps_a24`,
+    asked by the caller: an argument is part of a compiled graph and so of Inductor's on-disk
+    cache key, which cannot see whether the CUDA kernels are built (a graph compiled with them,
+    reused without, expected A24 where the op returned Z)."""
     _check_dtypes("ffn_forward", w1, w2, x=x)
+    if keep_a24 and not keeps_a24(x, w1, reuse_forward_mask):
+        raise ValueError(f"srelu24::ffn_forward was asked to keep A24 for the backward, which needs {KERNELS.path()} "
+                         f"({KERNELS.make_target}), an sm80/sm90 GPU, F % 64 == 0 and reuse_forward_mask; "
+                         f"got {x.device}, F {w1.shape[0]}, reuse_forward_mask {reuse_forward_mask}")
     o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
     kept = WeightOperands.from_flat(weights)
     T = x.shape[0]
@@ -134,16 +142,15 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
     y = _sparse_mm(buf, w2.t(), o.e4m3, converted=kept and kept.for_y)[:T]
     row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))  # no launch on the hot path
-    return y, buf if keeps_a24(x, w1, reuse_forward_mask) else z, counts, row
+    return y, buf if keep_a24 else z, counts, row
 
 
 @ffn_forward.register_fake
-def _(x, w1, w2, weights, grad_w1, grad_w2, collect_stats, token_permutation, dense_feature_fraction,
+def _(x, w1, w2, weights, grad_w1, grad_w2, collect_stats, keep_a24, token_permutation, dense_feature_fraction,
       reuse_forward_mask, float8, sparse_float8):
     _check_dtypes("ffn_forward", w1, w2, x=x)
     T, F_ = x.shape[0], w1.shape[0]
-    saved = (x.new_empty(padded(T, ROWS_PER_BAND), F_ * 9 // 16) if keeps_a24(x, w1, reuse_forward_mask)
-             else x.new_empty(T, F_))
+    saved = x.new_empty(padded(T, ROWS_PER_BAND), F_ * 9 // 16) if keep_a24 else x.new_empty(T, F_)
     return (x.new_empty(T, w2.shape[0]), saved, x.new_empty(F_, dtype=torch.int32),
             x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64))
 
@@ -232,9 +239,9 @@ def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, *flags
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, weights, g1, g2, _, *flags = inputs
+    x, w1, w2, weights, g1, g2, _, keep_a24, *flags = inputs
     ctx.flags = flags
-    ctx.saved_a24 = keeps_a24(x, w1, OpOptions.from_flags(*flags).recipe.reuse_forward_mask)
+    ctx.saved_a24 = keep_a24
     # weights that want no gradient take the plain path: adding would give them a .grad
     ctx.in_place = g1 is not None and g2 is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
     ctx.n_weights = len(weights)
@@ -247,7 +254,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, *unused):  # only Y carries a gradient
     # the inputs' gradients: x, w1, w2, then one per kept conversion (a list), none for the rest
-    no_grads = ([None] * ctx.n_weights, None, None, None) + (None,) * len(ctx.flags)
+    # (grad_w1, grad_w2, collect_stats, keep_a24, the flags)
+    no_grads = ([None] * ctx.n_weights, None, None, None, None) + (None,) * len(ctx.flags)
     if dy is None:  # Y unused by the loss (gradients are not materialised)
         return (None, None, None) + no_grads
     x, w1, w2, saved, counts, *rest = ctx.saved_tensors
@@ -279,8 +287,10 @@ def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), sta
     shape = x.shape
     kept = step.weights.flat() if step is not None and step.weights is not None else []
     g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
+    keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)  # decided here: a constant of the compiled graph
     y, _, _, row = ffn_forward(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3),
-                               _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, *options.flags(tokens_permuted))
+                               _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, keep,
+                               *options.flags(tokens_permuted))
     if stats is not None:
         stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])
