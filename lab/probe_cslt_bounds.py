@@ -1,21 +1,24 @@
-"""Does any cuSPARSELt algorithm id read past the operands of srelu24's e4m3 2:4 GEMMs?
+"""Does cuSPARSELt read past the operands of srelu24's e4m3 2:4 GEMMs?
 
 The 7B study's srelu24 run stopped at its first 2:4 step with an illegal memory access in
-cusparseLtMatmul (dX = dZ W1, e4m3, a cached plan at the searched id; lab/LOG.md). This probe
-runs every id on the FFN's e4m3 shapes with each operand and the output placed at the very end of
-its own allocation (run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that an allocation is a
-cudaMalloc of exactly that many bytes), once through torch._cslt_sparse_mm and once through this
-project's cached plan (srelu24_kernels/cusparselt/binding.py). A read past an operand shows up
-as a fault (an unmapped page after it), or as a compute-sanitizer memcheck report where run under
-it. A fault ends the process: rerun with --start at the next case.
+cusparseLtMatmul (dX = dZ W1, e4m3; lab/LOG.md). This probe makes one GEMM's operands with the
+project's own kernels (compressed A from srelu_sparsify_2to4 and compressed_to_e4m3, K-major B
+from kmajor_e4m3), optionally copies A and/or B to the end of a 2 MiB-multiple allocation, and
+runs the product through torch._cslt_sparse_mm or this project's cached plan. Under
+compute-sanitizer with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (an allocation is then a cudaMalloc of
+exactly its size) memcheck names any read past an operand, its kernel and its distance; the
+allocation-end placement alone does not reliably fault, as consecutive allocations can be
+adjacent in the address space.
 
-    python lab/probe_cslt_bounds.py --info                 # compressed sizes, searched ids
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 python lab/probe_cslt_bounds.py --start 0
+    python lab/probe_cslt_bounds.py --info      # compressed sizes, searched ids
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        python lab/probe_cslt_bounds.py --shape 0 --alg 0 --end none
 """
 import argparse
 import sys
 
 import torch
+from torch import Tensor
 
 from srelu24_kernels.cusparselt import binding as C
 from srelu24_kernels.float8 import sparse as fp8_sparse
@@ -30,27 +33,26 @@ SHAPES = [("7B Y=A24 W2^T / dX=dZ W1", 8192, 16512, 4096, False),
           ("1B dW1", 8448, 8192, 2048, False)]
 
 
-def at_end(nbytes: int, dtype, shape) -> torch.Tensor:
-    """A tensor of `shape` whose last byte is the last byte of a 2 MiB-multiple allocation."""
-    total = -(-nbytes // (2 << 20)) * (2 << 20)
+def at_end(t: Tensor, pad: int) -> Tensor:
+    """A copy of contiguous `t` followed by `pad` spare bytes, ending at the last byte of a 2 MiB-multiple
+    allocation (an unmapped page after it once PYTORCH_NO_CUDA_MEMORY_CACHING=1)."""
+    nbytes = t.numel() * t.element_size()
+    total = -(-(nbytes + pad) // (2 << 20)) * (2 << 20)
     raw = torch.empty(total, dtype=torch.uint8, device="cuda")
-    return raw[total - nbytes:].view(dtype).view(shape)
+    out = raw[total - pad - nbytes:total - pad].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def operands(m: int, k: int, n: int, seed: int):
     """(a8 [m, 5k/8] e4m3 compressed, b8 [k, n] K-major e4m3): from a random Z through the
-    project's own sparsify and conversion kernels, copied to the end of their allocations."""
+    project's own sparsify and conversion kernels, in ordinary allocations."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     z = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     buf, _ = srelu_sparsify_2to4(z)
     a8, _ = fp8_sparse.compressed_to_e4m3(buf, m, k)
     b, _ = fp8_sparse.kmajor_e4m3(torch.randn(k, n, device="cuda", generator=g))
-    a_end = at_end(a8.numel(), torch.float8_e4m3fn, a8.shape)
-    a_end.copy_(a8)
-    bt = b.t()  # [n, k] row-major
-    b_end = at_end(bt.numel(), torch.float8_e4m3fn, bt.shape)
-    b_end.copy_(bt)
-    return a_end, b_end.t()
+    return a8, b
 
 
 def info() -> None:
@@ -74,35 +76,34 @@ def info() -> None:
         print(f"{name} e4m3: mm_search -> {found}", flush=True)
 
 
-def cases(max_alg: int):
-    return [(s, alg) for s in SHAPES for alg in range(max_alg + 1)]
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--info", action="store_true")
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--max-alg", type=int, default=40)
+    p.add_argument("--shape", type=int, default=0, help="index into SHAPES")
+    p.add_argument("--alg", type=int, default=0)
+    p.add_argument("--end", choices=["none", "a", "b", "ab"], default="ab",
+                   help="which operands sit at the end of their allocation")
+    p.add_argument("--pad", type=int, default=0, help="spare bytes after each operand placed at the end")
+    p.add_argument("--path", choices=["torch", "plan"], default="torch")
     args = p.parse_args()
     if args.info:
         return info()
-    lib = C._library(torch.device("cuda"))
-    todo = cases(args.max_alg)
-    for i in range(args.start, len(todo)):
-        (name, m, k, n, tr), alg = todo[i]
-        a8, b8 = operands(m, k, n, i)
-        try:
-            want = C.torch_mm(a8, b8, alg, tr)
-            torch.cuda.synchronize()
-        except RuntimeError as e:
-            print(f"case {i} {name} alg {alg}: torch refuses ({str(e).splitlines()[0][:80]})", flush=True)
-            continue
-        print(f"case {i} {name} alg {alg}: torch ok", flush=True)
-        plan = C._Plan(lib, m, k, n, True, alg, a8.device, tr, True)
-        got = plan.run(a8, b8)
-        torch.cuda.synchronize()
-        print(f"case {i} {name} alg {alg}: plan ok, equal {torch.equal(got, want)}", flush=True)
-    print(f"DONE {len(todo)}")
+    name, m, k, n, tr = SHAPES[args.shape]
+    tag = f"{name} alg {args.alg} end={args.end} pad={args.pad} {args.path}"
+    a8, b8 = operands(m, k, n, 0)
+    torch.cuda.synchronize()
+    print(f"{tag}: operands ok", flush=True)
+    want = C.torch_mm(a8, b8, args.alg, tr)
+    torch.cuda.synchronize()
+    print(f"{tag}: ordinary allocations ok", flush=True)
+    a = at_end(a8, args.pad) if "a" in args.end else a8
+    bt = at_end(b8.t(), args.pad) if "b" in args.end else b8.t()  # b8 is the transpose of a row-major [n, k]
+    if args.path == "torch":
+        got = C.torch_mm(a, bt.t(), args.alg, tr)
+    else:
+        got = C._Plan(C._library(a.device), m, k, n, True, args.alg, a.device, tr, True).run(a, bt.t())
+    torch.cuda.synchronize()
+    print(f"{tag}: ok, equal {torch.equal(got, want)}", flush=True)
 
 
 if __name__ == "__main__":

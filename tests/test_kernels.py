@@ -252,6 +252,25 @@ def test_backward_operands_in_one_pass_equal_reference(t, f, permuted, reuse):
     assert_token_operands_equal(got, want)
 
 
+def test_every_compressed_operand_has_spare_bytes_after_it():
+    """cuSPARSELt may read metadata past a compressed operand's end (COMPRESSED_TAIL_BYTES): the
+    forward's A24, the backward's three operands and their e4m3 conversion each have that many
+    bytes of their own storage after them."""
+    from srelu24_kernels.cusparselt.layout import COMPRESSED_TAIL_BYTES
+    from srelu24_kernels.float8.sparse import compressed_to_e4m3
+    from srelu24_kernels.srelu24.sparsify_backward import backward_operands
+
+    def spare(t: torch.Tensor) -> int:
+        return t.untyped_storage().nbytes() - (t.storage_offset() + t.numel()) * t.element_size()
+
+    z, da = random_z(100, 128, seed=21), random_z(100, 128, seed=22)
+    a24, _ = srelu_sparsify_2to4(z)
+    dz, (at, _), (dzt, _) = backward_operands(z, da, None, torch.tensor([3]))
+    a8, _ = compressed_to_e4m3(a24, padded_rows(100), 128)
+    for t in (a24, dz, at, dzt, a8):
+        assert t.is_contiguous() and spare(t) >= COMPRESSED_TAIL_BYTES
+
+
 @pytest.mark.parametrize("bands", [2, 4])
 def test_backward_operands_with_several_bands_per_program(bands):
     from srelu24_kernels.srelu24.sparsify_backward import backward_operands, backward_operands_reference

@@ -49,6 +49,23 @@ def compressed_numel(m: int, k: int) -> int:
     return m * k // 2 + m * k // 16
 
 
+# cuSPARSELt reads a compressed operand's metadata in whole blocks of its kernel's K tile, so where
+# K is not a multiple of that tile it reads past the buffer: at the 7B FFN's K = 16512 (129 x 128),
+# id 0's e4m3 kernel (128x64x256 tiles) reads 1024 bytes past the last band's metadata
+# (compute-sanitizer, lab/LOG.md). That read faults only where the buffer ends a mapped range of
+# memory, which depends on the run's allocation history: it stopped the 7B study's srelu24 at its
+# first 2:4 step. Every compressed buffer is allocated with this many spare bytes after it
+# (a K tile of 2048 columns' worth of metadata, eight times the 256 seen).
+COMPRESSED_TAIL_BYTES = 16384
+
+
+def empty_compressed(numel: int, dtype: torch.dtype, device) -> Tensor:
+    """An uninitialised flat buffer of `numel` elements for a compressed operand, followed in its
+    storage by COMPRESSED_TAIL_BYTES spare bytes that cuSPARSELt may read."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return torch.empty(numel + -(-COMPRESSED_TAIL_BYTES // itemsize), dtype=dtype, device=device)[:numel]
+
+
 def nibble_index(r: Tensor, g: Tensor, k: int) -> Tensor:
     """Position in the metadata nibble stream of row r, group g (column // 4) of an [M, k] matrix."""
     rb, rr = r // 64, r % 64

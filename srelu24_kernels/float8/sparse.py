@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import gemm
-from ..cusparselt.layout import check_shape_e4m3, compressed_bytes_e4m3, decompress
+from ..cusparselt.layout import check_shape_e4m3, compressed_bytes_e4m3, decompress, empty_compressed
 from ..cusparselt.binding import cached_mm, searched_alg
 from .cast import (AMAX_FLOOR, columns_to_e4m3, columns_to_e4m3_reference, pow2_scale,  # noqa: F401 (AMAX_FLOOR: tests)
                        pow2_scale_triton, to_float8_bits)
@@ -133,7 +133,7 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
     flat = buf.reshape(-1)  # values [m, k/2], then the metadata: at m * k bytes, 4-byte aligned
     if flat.storage_offset() % 2:  # the metadata is read as 32-bit words
         flat = flat.clone()
-    out = torch.empty(compressed_bytes_e4m3(m, k), dtype=torch.uint8, device=buf.device)
+    out = empty_compressed(compressed_bytes_e4m3(m, k), torch.uint8, buf.device)
     scale = torch.empty(m, dtype=torch.float32, device=buf.device)
     n_blocks = m * k // 4096
     _compressed_to_e4m3_kernel[(m + triton.cdiv(n_blocks, METADATA_BLOCKS),)](

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..cusparselt.layout import ROWS_PER_BAND, compress, compressed_numel, padded
+from ..cusparselt.layout import ROWS_PER_BAND, compress, compressed_numel, empty_compressed, padded
 from .native import kernels_usable, launch, use_cuda
 from .reference import mask_2to4
 
@@ -167,7 +167,7 @@ def srelu_sparsify_2to4(z: Tensor, bands: int = 8, counts: bool = True, num_warp
     cuda = use_cuda(backend, lambda: cuda_usable(z, counts, totals), "srelu_sparsify_2to4",
                     "16-byte aligned rows, K % 64 == 0, counts=True and no totals")
     Mp = padded(M, ROWS_PER_BAND)
-    buf = torch.empty(compressed_numel(Mp, K), dtype=torch.bfloat16, device=z.device)
+    buf = empty_compressed(compressed_numel(Mp, K), torch.bfloat16, z.device)
     nnz = torch.zeros(K, dtype=torch.int32, device=z.device)
     n_bands = Mp // 64
     if cuda:

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..cusparselt.layout import COLS_PER_CHUNK, ROWS_PER_BAND, compress, compressed_numel, pad_rows, padded
+from ..cusparselt.layout import (COLS_PER_CHUNK, ROWS_PER_BAND, compress, compressed_numel, empty_compressed,
+                                 pad_rows, padded)
 from .native import KERNELS, kernels_usable, launch, use_cuda
 from .reference import mask_2to4
 from .sparsify import round_to_bf16, top2_of_4
@@ -235,12 +236,12 @@ def _outputs(Tr: int, Tp: int, Fh: int, k: int, reuse_forward_mask: bool, device
     """The pass's output buffers: dZ's (values then metadata; a stub without the forward mask),
     and (compressed, dense rows) for each token-dimension operand."""
     # without the forward mask dZ is not 2:4 and the kernel writes no feature-dimension operand
-    dz_buf = torch.empty(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, dtype=torch.bfloat16, device=device)
+    dz_buf = empty_compressed(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, torch.bfloat16, device)
     outs = []
     for _ in range(2):
         # every column < Tp of the dense rows is written (padding tokens as zeros)
         full = torch.empty(max(k, 1), Tp, dtype=torch.bfloat16, device=device)
-        outs.append((torch.empty(compressed_numel(Fh, Tp), dtype=torch.bfloat16, device=device), full))
+        outs.append((empty_compressed(compressed_numel(Fh, Tp), torch.bfloat16, device), full))
     return dz_buf, outs
 
 
