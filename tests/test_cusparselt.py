@@ -159,32 +159,62 @@ def fresh_algs(monkeypatch):
     monkeypatch.setattr(C, "_FIXED", [None])
 
 
-def _fake_search(monkeypatch, alg: int, differs: bool):
-    """torch's mm_search answering `alg`, and torch_mm's products at that id equal to id 0's or not."""
-    searches = []
+def _fake_search(monkeypatch, last: int, differs=(), refused_from=None, ms=None):
+    """torch's mm_search saying ids 0..last exist; torch_mm's product at the ids in `differs` unlike
+    id 0's, ids from `refused_from` on refused; each id timed at ms[id] (1 ms if not given)."""
+    searches, timed = [], []
     monkeypatch.setattr(torch._C, "_cusparselt", SimpleNamespace(
-        mm_search=lambda *args: searches.append(args) or (alg, 1, 0, 30)), raising=False)
-    monkeypatch.setattr(C, "torch_mm", lambda a, b, i, t=False: torch.ones(4, 4) * (2 if differs and i else 1))
-    return searches
+        mm_search=lambda *args: searches.append(args) or (0, 1, 0, last)), raising=False)
+
+    def torch_mm(a, b, i, t=False):
+        if refused_from is not None and i >= refused_from:
+            raise RuntimeError(f"alg_id {i} out of range")
+        return torch.ones(4, 4) * (2 if i in differs else 1)
+
+    monkeypatch.setattr(C, "torch_mm", torch_mm)
+    monkeypatch.setattr(C, "_time_ms", lambda a, b, i, t: timed.append(i) or (ms or {}).get(i, 1.0))
+    return searches, timed
 
 
 @pytest.mark.parametrize("differs", [False, True])
-def test_searched_algorithm_is_kept_if_its_product_matches_id_0_and_logged_once(monkeypatch, fresh_algs, caplog,
-                                                                                   differs):
-    searches = _fake_search(monkeypatch, 21, differs)
+def test_the_fastest_id_is_kept_if_its_product_matches_id_0_and_logged_once(monkeypatch, fresh_algs, caplog, differs):
+    searches, timed = _fake_search(monkeypatch, 30, differs=set(range(1, 31)) if differs else (), ms={21: 0.5})
     a, b = torch.zeros(64, 36, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.bfloat16)
     with caplog.at_level(logging.INFO, logger=C.__name__):
         got = [C.searched_alg(a, b), C.searched_alg(a, b)]
     assert got == [0, 0] if differs else [21, 21]
-    assert len(searches) == 1  # cached per shape
+    assert len(searches) == 1 and timed == ([0] if differs else list(range(31)))  # cached per shape
     (msg,) = [r.getMessage() for r in caplog.records]
     assert "A [64, 36]" in msg and "B [64, 32]" in msg
-    assert msg.endswith("algorithm 0 (id 21 searched, its product differs from id 0's)" if differs
-                        else "algorithm 21 (searched)")
+    if differs:
+        assert msg.endswith("algorithm 0 (the fastest of 1 ids timed: 1.000 ms, id 0 1.000 ms; left out, their "
+                            f"products differ from id 0's: {list(range(1, 31))})")
+    else:
+        assert msg.endswith("algorithm 21 (the fastest of 31 ids timed: 0.500 ms, id 0 1.000 ms)")
+
+
+def test_an_id_whose_product_differs_is_passed_over_for_the_next_fastest(monkeypatch, fresh_algs):
+    """At the 7B FFN's shape id 6 was once the fastest but its product is not id 0's: the next
+    fastest valid id is chosen, not id 0."""
+    _fake_search(monkeypatch, 24, differs={6}, ms={6: 0.4, 21: 0.5, 0: 0.9})
+    assert C.searched_alg(torch.zeros(64, 36), torch.zeros(64, 32)) == 21
+
+
+def test_the_search_stops_at_the_first_refused_id(monkeypatch, fresh_algs):
+    """Where mm_search does not say how many ids there are, ids are tried until one is refused."""
+    _, timed = _fake_search(monkeypatch, 30, refused_from=5, ms={4: 0.1})
+    monkeypatch.setattr(torch._C, "_cusparselt", SimpleNamespace(mm_search=lambda *args: 3), raising=False)
+    assert C.searched_alg(torch.zeros(64, 36), torch.zeros(64, 32)) == 4 and timed == [0, 1, 2, 3, 4]
+
+
+def test_the_timer_runs_the_product_on_the_cpu_stand_in(monkeypatch):
+    calls = []
+    monkeypatch.setattr(C, "torch_mm", lambda a, b, i, t=False: calls.append(i))
+    assert C._time_ms(torch.zeros(64, 36), torch.zeros(64, 32), 7, False, reps=3) >= 0 and calls == [7] * 4
 
 
 def test_a_set_algorithm_is_used_for_every_shape_without_a_search(monkeypatch, fresh_algs, caplog):
-    searches = _fake_search(monkeypatch, 21, False)
+    searches, _ = _fake_search(monkeypatch, 30)
     C.set_algorithm(3)
     with caplog.at_level(logging.INFO, logger=C.__name__):
         got = [C.searched_alg(torch.zeros(64, 36), torch.zeros(64, n), t) for n in (32, 64) for t in (False, True)]

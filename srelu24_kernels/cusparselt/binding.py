@@ -21,13 +21,15 @@ for (other dtypes, misaligned, another device than the current one) go to torch'
 
 The first call of a shape synchronises (the check); under CUDA graph capture, warm every shape
 up first. The workspace comes from the caching allocator on each call, so calls on several
-streams do not share it. Plans are never freed (one per shape, a few KiB of host memory).
+streams do not share it. Plans are never freed (one per shape and id the search timed, a few KiB
+of host memory each).
 """
 import ctypes
 import glob
 import logging
 import os
 import threading
+import time
 import warnings
 from typing import Optional
 
@@ -195,31 +197,72 @@ def set_algorithm(alg: Optional[int]) -> None:
 
 
 def searched_alg(a: Tensor, b: Tensor, transpose_result: bool = False) -> int:
-    """The algorithm id for this shape, layout and dtype (cached, and logged once): set_algorithm's
-    where one is set, else the one torch's mm_search finds fastest. The search times the ids on the
-    GPU, so two runs can choose differently. An upstream issue reports wrong results for some ids,
-    so a searched id is kept only if its product matches id 0's; 0 where there is no search (or
-    the CPU stand-in in tests)."""
+    """The algorithm id for this shape, layout and dtype (cached, and logged once with how it was
+    chosen): set_algorithm's where one is set, else _search's."""
     key = (tuple(a.shape), tuple(b.shape), b.stride(), transpose_result, a.dtype)
     if key not in _SEARCHED:
         how = "set by ffn.sparse_gemm_alg"
         _SEARCHED[key] = _FIXED[0]
         if _FIXED[0] is None:
-            how, _SEARCHED[key] = "searched", 0
-            try:
-                out = torch.bfloat16 if a.dtype == torch.float8_e4m3fn else None
-                alg = torch._C._cusparselt.mm_search(a, b, None, None, out, transpose_result)[0]
-                ref, got = torch_mm(a, b, 0, transpose_result).float(), torch_mm(a, b, alg, transpose_result).float()
-                if ((got - ref).norm() <= 1e-3 * ref.norm()).item():
-                    _SEARCHED[key] = alg
-                else:
-                    how = f"id {alg} searched, its product differs from id 0's"
-            except (AttributeError, RuntimeError, TypeError):
-                how = "no search in this build"  # the default algorithm
+            _SEARCHED[key], how = _search(a, b, transpose_result)
         _log.info(f"cuSPARSELt 2:4 GEMM, {str(a.dtype).removeprefix('torch.')} A {list(a.shape)} (compressed) x B "
                   f"{list(b.shape)}{' (K-major)' if not b.is_contiguous() else ''}"
                   f"{', transposed result' if transpose_result else ''}: algorithm {_SEARCHED[key]} ({how})")
     return _SEARCHED[key]
+
+
+_MAX_IDS = 64  # where torch's mm_search does not say how many ids a shape has; the loop stops at a refused one
+
+
+def _search(a: Tensor, b: Tensor, transpose_result: bool) -> tuple[int, str]:
+    """(the fastest id whose product matches id 0's, how it was chosen). Every id is timed on these
+    operands through the path the GEMMs take (the cached plans on a GPU). An upstream issue reports
+    wrong results for some ids, so an id whose product differs from id 0's is left out. torch's
+    mm_search only tells how many ids there are: its own pick, timed once inside cuSPARSELt,
+    changed from run to run at the 7B FFN's shape (id 6 or 21), and id 6's product differs from
+    id 0's, so such runs fell back to id 0, whose 2:4 phase then ran slower than dense srelu
+    (lab/LOG.md)."""
+    out = torch.bfloat16 if a.dtype == torch.float8_e4m3fn else None
+    try:
+        found = torch._C._cusparselt.mm_search(a, b, None, None, out, transpose_result)
+    except (AttributeError, RuntimeError, TypeError):
+        return 0, "no search in this build"  # the default algorithm
+    last = found[-1] if isinstance(found, tuple) and len(found) == 4 else _MAX_IDS - 1
+    ref = torch_mm(a, b, 0, transpose_result).float()
+    times, differ = {}, []
+    for alg in range(last + 1):
+        try:
+            got = torch_mm(a, b, alg, transpose_result).float()
+        except RuntimeError:
+            break  # past the last id this shape has
+        if ((got - ref).norm() <= 1e-3 * ref.norm()).item():
+            times[alg] = _time_ms(a, b, alg, transpose_result)
+        else:
+            differ.append(alg)
+    if not times:
+        return 0, "no id's product matches id 0's, not even id 0's own (non-finite operands?)"
+    best = min(times, key=times.get)
+    how = f"the fastest of {len(times)} ids timed: {times[best]:.3f} ms, id 0 {times.get(0, float('nan')):.3f} ms"
+    return best, how + (f"; left out, their products differ from id 0's: {differ}" if differ else "")
+
+
+def _time_ms(a: Tensor, b: Tensor, alg: int, transpose_result: bool, reps: int = 5) -> float:
+    """Time of one a @ b at id `alg` the way sparse_mm runs it (the cached plan on a GPU; its first
+    call builds and checks the plan): the mean of `reps` back-to-back calls after one untimed."""
+    mm = cached_mm if a.is_cuda else torch_mm
+    mm(a, b, alg, transpose_result)
+    if not a.is_cuda:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            mm(a, b, alg, transpose_result)
+        return (time.perf_counter() - t0) * 1e3 / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        mm(a, b, alg, transpose_result)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
