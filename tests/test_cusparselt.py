@@ -187,10 +187,22 @@ def test_the_fastest_id_is_kept_if_its_product_matches_id_0_and_logged_once(monk
     (msg,) = [r.getMessage() for r in caplog.records]
     assert "A [64, 36]" in msg and "B [64, 32]" in msg
     if differs:
-        assert msg.endswith("algorithm 0 (the fastest of 1 ids timed: 1.000 ms, id 0 1.000 ms; left out, their "
-                            f"products differ from id 0's: {list(range(1, 31))})")
+        assert msg.endswith("algorithm 0 (the fastest of 1 ids timed: 1.000 ms, id 0 1.000 ms; products within "
+                            "0.0e+00 of id 0's; left out, further from id 0's: "
+                            + ", ".join(f"{i} (1.0e+00)" for i in range(1, 31)) + ")")
     else:
-        assert msg.endswith("algorithm 21 (the fastest of 31 ids timed: 0.500 ms, id 0 1.000 ms)")
+        assert msg.endswith("algorithm 21 (the fastest of 31 ids timed: 0.500 ms, id 0 1.000 ms; products within "
+                            "0.0e+00 of id 0's)")
+
+
+def test_products_within_bf16_rounding_of_id_0s_count_as_the_same(monkeypatch, fresh_algs):
+    """Two ids' bf16 products differ by output rounding (about 2^-8 of the norm at most): such an
+    id is kept; one further than _SAME_PRODUCT is not."""
+    monkeypatch.setattr(torch._C, "_cusparselt", SimpleNamespace(mm_search=lambda *args: (0, 1, 0, 2)), raising=False)
+    rel = {0: 0.0, 1: 0.004, 2: 0.02}
+    monkeypatch.setattr(C, "torch_mm", lambda a, b, i, t=False: torch.ones(100) + torch.eye(100)[0] * 10 * rel[i])
+    monkeypatch.setattr(C, "_time_ms", lambda a, b, i, t: {0: 1.0, 1: 0.5, 2: 0.1}[i])
+    assert C.searched_alg(torch.zeros(64, 36), torch.zeros(64, 32)) == 1
 
 
 def test_an_id_whose_product_differs_is_passed_over_for_the_next_fastest(monkeypatch, fresh_algs):
