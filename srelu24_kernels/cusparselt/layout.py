@@ -62,8 +62,7 @@ COMPRESSED_TAIL_BYTES = 16384
 def empty_compressed(numel: int, dtype: torch.dtype, device) -> Tensor:
     """An uninitialised flat buffer of `numel` elements for a compressed operand, followed in its
     storage by COMPRESSED_TAIL_BYTES spare bytes that cuSPARSELt may read."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return torch.empty(numel + -(-COMPRESSED_TAIL_BYTES // itemsize), dtype=dtype, device=device)[:numel]
+    return torch.empty(numel + -(-COMPRESSED_TAIL_BYTES // dtype.itemsize), dtype=dtype, device=device)[:numel]
 
 
 def nibble_index(r: Tensor, g: Tensor, k: int) -> Tensor:
