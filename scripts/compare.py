@@ -6,7 +6,7 @@ and plots, from run directories or multirun directories.
     python scripts/compare.py runs/study_speed/multirun_<date> --target-loss 4.5 --baseline "swiglu bf16"
 
 Writes to <out> (default: <first input>/report): summary.md (the run table, then the time-to-loss
-table), summary.csv (one row per run, both tables' columns), layers.csv (last per-layer
+table, then the gaps within each seed where seeds pair up), summary.csv (one row per run, both tables' columns), layers.csv (last per-layer
 statistics) and plots: validation and training loss against tokens (val_loss.png,
 train_loss.png), against training hours (val_loss_time.png, train_loss_time.png) and against
 GPU-hours (val_loss_gpu_hours.png, train_loss_gpu_hours.png), val_loss_delta.png (gap to
@@ -42,7 +42,10 @@ logged point at or below L, interpolated linearly (in time, tokens and steps) fr
 point before it; validation loss by default (--target-metric train: the training loss, which
 is noisier: one batch). L defaults to the worst run's final value. Runs of one FFN and
 precision that differ only in seed give the run-to-run spread: final losses closer to the best
-than that spread are marked as ties.
+than that spread are marked as ties. Where two or more seeds each hold the baseline's kind and
+another, summary.md also gives each kind's final loss minus the baseline kind's within each seed:
+a seed moves every FFN's loss together, so a gap of one sign in every seed can be settled where
+the seed spread is wider than the gap (reruns of one kind and seed give the noise left).
 """
 import argparse
 import csv
@@ -299,6 +302,55 @@ def seed_spreads(rows: list[dict], key: str) -> list[dict]:
             out.append({"kind": kind, "runs": [x["label"] for x in g], "spread": max(values) - min(values),
                         "gpu_hours_spread": (max(times) - min(times)) / min(times)
                         if all(finite(t) and t > 0 for t in times) else None})
+    return out
+
+
+def seed_pairs(rows: list[dict], base: dict, key: str) -> Optional[dict]:
+    """Each kind's final `key` minus the baseline kind's within each seed, where at least two seeds
+    hold the baseline kind and another: a seed fixes the initialization and the data order, which
+    move every FFN's loss together, so the paired gap leaves out what the seed spread is made of.
+    Several runs of one kind and seed (reruns) are averaged; their largest difference is the noise
+    left within a seed. None where the runs give no such pairing."""
+    cells = {}
+    for r in rows:
+        if r.get("seed") is not None and finite(r.get(key)):
+            cells.setdefault((r["kind"], r["seed"]), []).append(r[key])
+    seeds = sorted({s for k, s in cells if k == base["kind"]}, key=str)
+    kinds = list(dict.fromkeys(r["kind"] for r in rows if r["kind"] != base["kind"]))
+    gaps = {k: {s: statistics.fmean(cells[(k, s)]) - statistics.fmean(cells[(base["kind"], s)])
+                for s in seeds if (k, s) in cells} for k in kinds}
+    gaps = {k: g for k, g in gaps.items() if len(g) >= 2}
+    if not gaps:
+        return None
+    reruns = [max(v) - min(v) for v in cells.values() if len(v) > 1]
+    return {"base": base["kind"], "seeds": seeds, "gaps": gaps, "runs": {c: len(v) for c, v in cells.items()},
+            "rerun_spread": max(reruns) if reruns else None}
+
+
+def seed_pairs_table(pairs: dict, name: str) -> list[str]:
+    """Markdown: one row per kind, its gap to the baseline kind in each seed, the mean, and whether
+    every seed puts it on the same side."""
+    seeds, base = pairs["seeds"], pairs["base"]
+    out = [f"## Final {name} against {base}, within each seed", "",
+           "A seed fixes the initialization and the data order, which move every run's loss together: the gap "
+           f"to {base} in the same seed leaves that out. Several runs of one kind and seed are averaged (n runs).", "",
+           "| " + " | ".join(["run kind"] + [f"seed {s}" for s in seeds] + ["mean", "every seed"]) + " |",
+           "|" + "---|" * (len(seeds) + 3)]
+    rerun = pairs["rerun_spread"]
+    for kind, g in pairs["gaps"].items():
+        cells = []
+        for s in seeds:
+            n = max(pairs["runs"].get((kind, s), 0), pairs["runs"].get((base, s), 0))
+            cells.append("-" if s not in g else f"{g[s]:+.4f}" + (f" ({n} runs)" if n > 1 else ""))
+        values = list(g.values())
+        side = "lower" if all(v < 0 for v in values) else "higher" if all(v > 0 for v in values) else "mixed"
+        if side != "mixed" and rerun is not None and min(abs(v) for v in values) <= rerun:
+            side += ", within the rerun spread in some seed"
+        out.append("| " + " | ".join([kind] + cells + [f"{statistics.fmean(values):+.4f}", side]) + " |")
+    out.append("")
+    out.append(f"Runs of one kind and seed differ by up to {rerun:.4f} (reruns: the kernels are not bitwise "
+               "deterministic): a gap within it in some seed is not settled by that seed." if rerun is not None else
+               "No kind ran twice at one seed: no rerun spread to set the paired gaps against.")
     return out
 
 
@@ -605,6 +657,9 @@ def main(argv=None) -> int:
     table = markdown(rows)
     if target is not None:
         table += "\n\n" + "\n".join(time_table(rows, base, args.target_metric, target, target_from))
+        pairs = seed_pairs(rows, base, final)
+        if pairs:
+            table += "\n\n" + "\n".join(seed_pairs_table(pairs, name))
     else:
         table += f"\n\nNo run logged a {name}: no time-to-loss table."
     print(table)
