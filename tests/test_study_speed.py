@@ -1,7 +1,7 @@
 """The speed studies (`python train.py -m +experiment=study_speed`, `+experiment=study_speed_7b`):
 each sweep point composed in-process as Hydra composes the job, checked to share the seed, data,
 shapes, schedule and validation, and to differ only in the FFN and float8 recipe (and the seed of
-the one seed-2 arm); each job directory names its FFN and precision, and compare.py labels them so."""
+the seed-2 arms); each job directory names its FFN and precision, and compare.py labels them so."""
 import importlib.util
 from dataclasses import replace
 
@@ -20,7 +20,9 @@ GRIDS = {  # experiment -> its arms: (ffn, trainer.float8, seed)
                        "srelu_tensorwise": ("srelu", "tensorwise", 1337),
                        "srelu24_tensorwise": ("srelu24", "tensorwise", 1337),
                        "srelu24_rowwise": ("srelu24", "rowwise", 1337),
-                       "srelu24_tensorwise_seed2": ("srelu24", "tensorwise", 2)},
+                       "srelu24_tensorwise_seed2": ("srelu24", "tensorwise", 2),
+                       "srelu_tensorwise_seed2": ("srelu", "tensorwise", 2),
+                       "swiglu_tensorwise_seed2": ("swiglu", "tensorwise", 2)},
 }
 SHAPES = {"study_speed": ("1b", 2048, 20), "study_speed_7b": ("7b", 4096, 8)}  # model, dim, layers
 STEPS = {"study_speed": 500, "study_speed_7b": 500}
@@ -70,5 +72,7 @@ def test_compare_labels_the_jobs_by_ffn_precision_and_seed(tmp_path):
     rows = [{"run": f"{i}_{arm}", "variant": ffn, "precision": "bf16" if f8 == "none" else f8, "seed": seed,
              "_dir": tmp_path / f"{i}_{arm}"} for i, (arm, (ffn, f8, seed)) in enumerate(GRIDS["study_speed_7b"].items())]
     compare.label_runs(rows)
-    assert [r["label"] for r in rows] == ["swiglu bf16", "swiglu rowwise", "swiglu tensorwise", "srelu tensorwise",
-                                          "srelu24 tensorwise seed 1337", "srelu24 rowwise", "srelu24 tensorwise seed 2"]
+    assert [r["label"] for r in rows] == ["swiglu bf16", "swiglu rowwise", "swiglu tensorwise seed 1337",
+                                          "srelu tensorwise seed 1337", "srelu24 tensorwise seed 1337", "srelu24 rowwise",
+                                          "srelu24 tensorwise seed 2", "srelu tensorwise seed 2",
+                                          "swiglu tensorwise seed 2"]
