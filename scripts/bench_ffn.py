@@ -35,7 +35,7 @@ from srelu24_kernels.cusparselt.layout import ROWS_PER_BAND, padded  # noqa: E40
 from srelu24_kernels.srelu24.sparsify import srelu_sparsify_2to4, srelu_sparsify_2to4_reference  # noqa: E402
 from srelu24_kernels.srelu24.reference import mask_2to4  # noqa: E402
 from scripts.ffn_inputs import SHAPES, ffn_inputs, swiglu_weights  # noqa: E402
-from training.gpu_clocks import energy_during  # noqa: E402
+from training.gpu_clocks import energy_during, interleaved_rounds  # noqa: E402
 from training.logger import environment  # noqa: E402
 
 BF = torch.bfloat16
@@ -126,17 +126,6 @@ def time_fwbw(name: str, D: int, Fh: int, T: int, compiled, density=None, clocks
     r["fwbw_speedup_vs_eager"] = r["fwbw_dense_eager_ms"] / r["fwbw_srelu24_ms"]
     r["fwbw_speedup_vs_compiled"] = r["fwbw_dense_compiled_ms"] / r["fwbw_srelu24_ms"]
     return r
-
-
-def interleaved_rounds(runs: dict, repeats: int, timer) -> dict:
-    """{variant: [timer(run) of each round]}: every round times each variant once, in the order of
-    `runs`, reversed every other round, so that no variant always runs right after another one (the
-    clock at the power cap follows what ran just before)."""
-    rounds = {v: [] for v in runs}
-    for i in range(repeats):
-        for v in list(runs)[::-1 if i % 2 else 1]:
-            rounds[v].append(timer(runs[v]))
-    return rounds
 
 
 def time_fwbw_float8(name: str, D: int, Fh: int, T: int, recipe: str, density=None, repeats: int = 3,

@@ -35,6 +35,12 @@ Rowwise float8 sets two of inductor's options for the whole process (training/fl
 are restored after each row, so a later row of another precision runs with the settings it would
 have in a process of its own.
 
+--rounds N measures every row N times, in interleaved rounds whose order reverses every other
+round. At the power cap one row's clock can depend on what ran before it in the process (the
+7B tensorwise srelu step cost 663 J after swiglu's and 703 J after srelu24's); each row then
+reports its median round, every round's figures stay in its JSON row, and each row's ratio to
+the fastest dense row is also given as the median of the rounds' own ratios.
+
 --merge A.json B.json ... [--out merged.md | merged.json]: the rows of several records (a 7B
 sweep of nine rows takes more than one command) as one table with the same ratios and each row's
 commit, clocks and record; records of different shapes (model, layers, micro-batch, sequence,
@@ -76,7 +82,7 @@ from training.config_checks import resolve_vocab_size  # noqa: E402
 from data.errors import DataError  # noqa: E402
 from data.loader import TokenLoader  # noqa: E402
 from training.step import StepParts, TrainState, train_step  # noqa: E402
-from training.gpu_clocks import ClockSampler, energy_during  # noqa: E402
+from training.gpu_clocks import ClockSampler, energy_during, interleaved_rounds  # noqa: E402
 
 PRECISIONS = [f.value for f in Float8]  # trainer.float8's values: none (bf16), tensorwise, rowwise
 
@@ -598,6 +604,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="cut the layer count (per-layer figures still hold)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, metavar="N",
+                    help="measure every row N times in interleaved rounds, the order reversed every other round "
+                         "(at the power cap a step's clock follows what ran before it): each row reports its "
+                         "median round, and each ratio to the fastest dense row also as the median of the rounds' own")
     ap.add_argument("--doc-len", type=int, default=1024, help="tokens per document of the random batches "
                     "(an end-of-text token every DOC_LEN; what model.attention=document masks at)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step and rank (gradient accumulation)")
@@ -635,8 +645,9 @@ def main(argv=None) -> int:
     if args.merge:
         return merge_main(args)
     args.out = args.out or ROOT / "benchmarks" / "results" / "bench_step.json"
-    if args.doc_len <= 0 or args.accum <= 0 or args.steps <= 0:
-        ap.error(f"--doc-len, --accum and --steps must be positive; got {args.doc_len}, {args.accum}, {args.steps}")
+    if args.doc_len <= 0 or args.accum <= 0 or args.steps <= 0 or args.rounds <= 0:
+        ap.error(f"--doc-len, --accum, --steps and --rounds must be positive; got {args.doc_len}, {args.accum}, "
+                 f"{args.steps}, {args.rounds}")
     if args.profile < 0 or args.profile_host < 0:
         ap.error(f"--profile and --profile-host count steps (0: none); got {args.profile}, {args.profile_host}")
     if args.replot:
@@ -687,13 +698,16 @@ def main(argv=None) -> int:
         a = torch.randn(8192, 8192, device=d.device, dtype=torch.bfloat16)
         energy_during(lambda: a @ a, 10.0, d.device)
         del a
+    def measure(cfg) -> dict:
+        with inductor_settings_restored():
+            row = {**bench(cfg, args, d), **row_environment(env, d.device)}
+        if d.is_main:
+            print(json.dumps(row), flush=True)
+        return row
+
     try:
-        results = []
-        for cfg in cfgs:
-            with inductor_settings_restored():
-                results.append({**bench(cfg, args, d), **row_environment(env, d.device)})
-            if d.is_main:
-                print(json.dumps(results[-1]), flush=True)
+        rounds = interleaved_rounds(dict(enumerate(cfgs)), args.rounds, measure)
+        results = [median_round(rows) for rows in rounds.values()]
     finally:
         shutdown(d)
     if d.is_main:
@@ -765,6 +779,34 @@ def plot_kernels(result: Path) -> Path:
     return png
 
 
+ROUND_KEYS = ("tokens_per_s", "step_ms", "step_j", "sm_clock_mhz", "power_w")
+
+
+def median_round(rows: list[dict]) -> dict:
+    """One row's measurements over the rounds: the round of median tokens/s (the lower of the two
+    middle ones for an even count), with every round's figures under "rounds" in the order run."""
+    if len(rows) == 1:
+        return rows[0]
+    mid = sorted(rows, key=lambda r: r["tokens_per_s"])[(len(rows) - 1) // 2]
+    return {**mid, "rounds": [{k: r.get(k) for k in ROUND_KEYS} for r in rows]}
+
+
+def round_ratios(results: list[dict]) -> list[str]:
+    """Lines: each row's tokens/s over the fastest dense row's within each round, and their median
+    (set by `ratios` first; none without rounds or without a dense reference)."""
+    ref = max((r for r in results if r.get("ffn") in DENSE and r.get("rounds")), key=lambda r: r["tokens_per_s"],
+              default=None)
+    if ref is None:
+        return []
+    out = []
+    for r in results:
+        if r is not ref and r.get("rounds"):
+            each = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(r["rounds"], ref["rounds"])]
+            out.append(f"{label(r)} / {label(ref)} in each of {len(each)} rounds: "
+                       + ", ".join(f"{x:.3f}x" for x in each) + f"; median {statistics.median(each):.3f}x")
+    return out
+
+
 def report(args, results: list[dict], device: torch.device) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "argv": sys.argv,
@@ -776,6 +818,8 @@ def report(args, results: list[dict], device: torch.device) -> None:
     print(f"\n{' '.join(args.override)} on {r0['world_size']} x {where} ({r0['strategy']}, micro-batch "
           f"{r0['micro_batch']} x {r0['seq_len']} per rank, accum {r0['accum']}{cut}{commit})")
     print("\n".join(table(results)))
+    if args.rounds > 1:
+        print("\n".join(["", f"each row: its median of {args.rounds} interleaved rounds"] + round_ratios(results)))
     print(f"record: {args.out} (rows of several records in one table: python scripts/bench_step.py --merge A.json B.json)")
     if any(r.get("clocks", {}).get("samples") for r in results):
         print("\nclocks over the timed steps (NVML medians; joules from its energy counter): "

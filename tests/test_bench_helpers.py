@@ -113,8 +113,8 @@ def test_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work():
     assert r.returncode == 2 and "--density is the fraction of positive pre-activations, in (0, 1); got 1.5" in r.stderr
 
 
-def test_bench_ffn_rounds_time_every_variant_once_a_round_in_alternating_order():
-    from scripts.bench_ffn import interleaved_rounds
+def test_rounds_time_every_variant_once_a_round_in_alternating_order():
+    from training.gpu_clocks import interleaved_rounds
 
     order = []
     times = iter(range(100))

@@ -35,6 +35,29 @@ def test_ffn_sweep_on_cpu_writes_every_variant(tmp_path):
     assert line[9] == f"{results[2]['tokens_per_s'] / results[0]['tokens_per_s']:.2f}x"  # vs swiglu bf16
 
 
+
+def test_rounds_alternate_the_order_and_report_each_rows_median_round(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "+experiment=demo", "--ffns",
+                        "swiglu,srelu24", "--rounds", "2", "--steps", "1", "--warmup", "1", "--device", "cpu",
+                        "--layers", "1", "--out", str(out), "--precisions", "none", "logging.wandb.mode=disabled"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    measured = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert [m["ffn"] for m in measured] == ["swiglu", "srelu24", "srelu24", "swiglu"]
+    results = json.loads(out.read_text())["results"]
+    assert [x["ffn"] for x in results] == ["swiglu", "srelu24"]
+    for x in results:
+        own = [m["tokens_per_s"] for m in measured if m["ffn"] == x["ffn"]]
+        assert [rd["tokens_per_s"] for rd in x["rounds"]] == own  # every round, in the order run
+        assert x["tokens_per_s"] == min(own)  # the median round's row: the lower middle one of two
+    each = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(results[1]["rounds"], results[0]["rounds"])]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("srelu24 fp32 / swiglu fp32 in each of 2 rounds"))
+    assert line.endswith(f"; median {(each[0] + each[1]) / 2:.3f}x")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), "+experiment=demo", "--rounds", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--steps and --rounds must be positive; got 1024, 1, 10, 0" in r.stderr
+
 def test_fsdp_sweep_under_torchrun_on_two_cpu_processes(tmp_path):
     """The 2-GPU FSDP2 measurement's code path, on 2 CPU processes (gloo): rank 0 alone reports,
     tokens/s counts both ranks."""

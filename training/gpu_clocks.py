@@ -227,3 +227,13 @@ def energy_during(fn, seconds: float, device=None, warmup_s: float = 0.5) -> dic
         out["power_w_from_energy"] = (e1 - e0) / 1e3 / wall
     return out
 
+
+def interleaved_rounds(runs: dict, repeats: int, timer) -> dict:
+    """{variant: [timer(run) of each round]}: every round times each variant once, in the order of
+    `runs`, reversed every other round, so that no variant always runs right after another one (the
+    clock at the power cap follows what ran just before)."""
+    rounds = {v: [] for v in runs}
+    for i in range(repeats):
+        for v in list(runs)[::-1 if i % 2 else 1]:
+            rounds[v].append(timer(runs[v]))
+    return rounds
