@@ -36,10 +36,11 @@ are restored after each row, so a later row of another precision runs with the s
 have in a process of its own.
 
 --rounds N measures every row N times, in interleaved rounds whose order reverses every other
-round. At the power cap one row's clock can depend on what ran before it in the process (the
-7B tensorwise srelu step cost 663 J after swiglu's and 703 J after srelu24's); each row then
-reports its median round, every round's figures stay in its JSON row, and each row's ratio to
-the fastest dense row is also given as the median of the rounds' own ratios.
+round, so that the rows' places in the order vary. At the power cap one row's clock can depend
+on what ran before it in the process (the 7B tensorwise srelu step cost 663 J after swiglu's and
+703 J after srelu24's); each row then reports its median round (the lower middle one for an even
+N), its JSON row keeps every round's tokens/s, step time, joules, clock and power, and each row's
+ratio to the fastest dense row is also given as the median of the rounds' own ratios.
 
 --merge A.json B.json ... [--out merged.md | merged.json]: the rows of several records (a 7B
 sweep of nine rows takes more than one command) as one table with the same ratios and each row's
@@ -650,6 +651,8 @@ def main(argv=None) -> int:
                  f"{args.steps}, {args.rounds}")
     if args.profile < 0 or args.profile_host < 0:
         ap.error(f"--profile and --profile-host count steps (0: none); got {args.profile}, {args.profile_host}")
+    if args.rounds > 1 and (args.profile or args.profile_host or args.energy):
+        ap.error("--rounds measures steps only: run --profile, --profile-host or --energy in a command of one round")
     if args.replot:
         print(f"wrote {plot_kernels(args.replot)}")
         return 0
@@ -792,18 +795,18 @@ def median_round(rows: list[dict]) -> dict:
 
 
 def round_ratios(results: list[dict]) -> list[str]:
-    """Lines: each row's tokens/s over the fastest dense row's within each round, and their median
-    (set by `ratios` first; none without rounds or without a dense reference)."""
-    ref = max((r for r in results if r.get("ffn") in DENSE and r.get("rounds")), key=lambda r: r["tokens_per_s"],
-              default=None)
-    if ref is None:
+    """Lines: each row's tokens/s over the fastest dense row's (`ratios`) within each round, and
+    their median, the lower middle one for an even count as in `median_round`."""
+    ref = ratios(results)["fastest dense"]
+    if ref is None or not ref.get("rounds"):
         return []
     out = []
     for r in results:
         if r is not ref and r.get("rounds"):
+            assert len(r["rounds"]) == len(ref["rounds"]), "every row runs in every round"
             each = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(r["rounds"], ref["rounds"])]
             out.append(f"{label(r)} / {label(ref)} in each of {len(each)} rounds: "
-                       + ", ".join(f"{x:.3f}x" for x in each) + f"; median {statistics.median(each):.3f}x")
+                       + ", ".join(f"{x:.3f}x" for x in each) + f"; median {statistics.median_low(each):.3f}x")
     return out
 
 

@@ -6,8 +6,8 @@ and plots, from run directories or multirun directories.
     python scripts/compare.py runs/study_speed/multirun_<date> --target-loss 4.5 --baseline "swiglu bf16"
 
 Writes to <out> (default: <first input>/report): summary.md (the run table, then the time-to-loss
-table, then the gaps within each seed where seeds pair up), summary.csv (one row per run, both tables' columns), layers.csv (last per-layer
-statistics) and plots: validation and training loss against tokens (val_loss.png,
+table, then the gaps within each seed where seeds pair up), summary.csv (one row per run, both
+tables' columns), layers.csv (last per-layer statistics) and plots: validation and training loss against tokens (val_loss.png,
 train_loss.png), against training hours (val_loss_time.png, train_loss_time.png) and against
 GPU-hours (val_loss_gpu_hours.png, train_loss_gpu_hours.png), val_loss_delta.png (gap to
 --baseline), throughput.png (ratios vs --baseline), sparsity_heatmap_<run>.png. The tables are
@@ -42,10 +42,11 @@ logged point at or below L, interpolated linearly (in time, tokens and steps) fr
 point before it; validation loss by default (--target-metric train: the training loss, which
 is noisier: one batch). L defaults to the worst run's final value. Runs of one FFN and
 precision that differ only in seed give the run-to-run spread: final losses closer to the best
-than that spread are marked as ties. Where two or more seeds each hold the baseline's kind and
-another, summary.md also gives each kind's final loss minus the baseline kind's within each seed:
-a seed moves every FFN's loss together, so a gap of one sign in every seed can be settled where
-the seed spread is wider than the gap (reruns of one kind and seed give the noise left).
+than that spread are marked as ties. Where two or more seeds each hold the baseline's
+configuration (FFN, precision and ffn settings) and another, summary.md also gives each
+configuration's final loss minus the baseline's within each seed: a seed moves every FFN's loss
+together, so a gap of one sign in every seed can be settled where the seed spread is wider than
+the gap (runs of one configuration and seed, where there are several, show what is left).
 """
 import argparse
 import csv
@@ -271,6 +272,8 @@ def summarize(run: Path, basis: str = "steady") -> dict:
         "gpu_hours": rows[-1]["_gpu_hours"] if rows else None,
         "time_basis": basis,
         "_wandb": wandb_of(cfg),
+        "_ffn": json.dumps(OmegaConf.to_container(cfg.ffn, resolve=True), sort_keys=True)
+        if cfg is not None and OmegaConf.select(cfg, "ffn") is not None else None,
         "_rows": rows,
     }
 
@@ -305,52 +308,69 @@ def seed_spreads(rows: list[dict], key: str) -> list[dict]:
     return out
 
 
+def _seed_order(seed):
+    return (0, seed, "") if isinstance(seed, (int, float)) else (1, 0, str(seed))
+
+
 def seed_pairs(rows: list[dict], base: dict, key: str) -> Optional[dict]:
-    """Each kind's final `key` minus the baseline kind's within each seed, where at least two seeds
-    hold the baseline kind and another: a seed fixes the initialization and the data order, which
-    move every FFN's loss together, so the paired gap leaves out what the seed spread is made of.
-    Several runs of one kind and seed (reruns) are averaged; their largest difference is the noise
-    left within a seed. None where the runs give no such pairing."""
+    """Each configuration's final `key` minus the baseline's within each seed, where at least two
+    seeds hold the baseline's configuration and another: a seed fixes the initialization and the
+    data order, which move every FFN's loss together, so the paired gap leaves out what the seed
+    spread is made of. A configuration is a kind (FFN, precision) with its ffn settings: ablations
+    of one kind stay apart. Several runs of one configuration and seed are averaged; their largest
+    difference is what is left within a seed. None where the runs give no such pairing."""
+    def unit(r):
+        return r["kind"], r.get("_ffn")
+
+    names = {}
+    for r in rows:
+        several = len({unit(x) for x in rows if x["kind"] == r["kind"]}) > 1
+        names.setdefault(unit(r), re.sub(r"_seed\d+$", "", r["choice"]) if several else r["kind"])  # its first run's
     cells = {}
     for r in rows:
         if r.get("seed") is not None and finite(r.get(key)):
-            cells.setdefault((r["kind"], r["seed"]), []).append(r[key])
-    seeds = sorted({s for k, s in cells if k == base["kind"]}, key=str)
-    kinds = list(dict.fromkeys(r["kind"] for r in rows if r["kind"] != base["kind"]))
-    gaps = {k: {s: statistics.fmean(cells[(k, s)]) - statistics.fmean(cells[(base["kind"], s)])
-                for s in seeds if (k, s) in cells} for k in kinds}
-    gaps = {k: g for k, g in gaps.items() if len(g) >= 2}
+            cells.setdefault((unit(r), r["seed"]), []).append(r[key])
+    b = unit(base)
+    seeds = sorted({s for u, s in cells if u == b}, key=_seed_order)
+    gaps = {}
+    for u in dict.fromkeys(unit(r) for r in rows if unit(r) != b):
+        g = {s: statistics.fmean(cells[(u, s)]) - statistics.fmean(cells[(b, s)]) for s in seeds if (u, s) in cells}
+        if len(g) >= 2:
+            gaps[names[u]] = (u, g)
     if not gaps:
         return None
     reruns = [max(v) - min(v) for v in cells.values() if len(v) > 1]
-    return {"base": base["kind"], "seeds": seeds, "gaps": gaps, "runs": {c: len(v) for c, v in cells.items()},
-            "rerun_spread": max(reruns) if reruns else None}
+    return {"base": names[b], "base_unit": b, "seeds": seeds, "gaps": gaps,
+            "runs": {c: len(v) for c, v in cells.items()}, "rerun_spread": max(reruns) if reruns else None}
 
 
 def seed_pairs_table(pairs: dict, name: str) -> list[str]:
-    """Markdown: one row per kind, its gap to the baseline kind in each seed, the mean, and whether
-    every seed puts it on the same side."""
+    """Markdown: one row per configuration, its gap to the baseline's in each seed, the mean over
+    the seeds it ran at, and whether every one of them puts it on the same side."""
     seeds, base = pairs["seeds"], pairs["base"]
     out = [f"## Final {name} against {base}, within each seed", "",
            "A seed fixes the initialization and the data order, which move every run's loss together: the gap "
-           f"to {base} in the same seed leaves that out. Several runs of one kind and seed are averaged (n runs).", "",
-           "| " + " | ".join(["run kind"] + [f"seed {s}" for s in seeds] + ["mean", "every seed"]) + " |",
+           f"to {base} in the same seed leaves that out. Where one configuration ran several times at a seed, "
+           "its runs (and the baseline's) are averaged: (n runs) counts them.", "",
+           "| " + " | ".join(["run"] + [f"seed {s}" for s in seeds] + ["mean", "every seed"]) + " |",
            "|" + "---|" * (len(seeds) + 3)]
     rerun = pairs["rerun_spread"]
-    for kind, g in pairs["gaps"].items():
+    for kind, (u, g) in pairs["gaps"].items():
         cells = []
         for s in seeds:
-            n = max(pairs["runs"].get((kind, s), 0), pairs["runs"].get((base, s), 0))
-            cells.append("-" if s not in g else f"{g[s]:+.4f}" + (f" ({n} runs)" if n > 1 else ""))
+            n, nb = pairs["runs"].get((u, s), 0), pairs["runs"].get((pairs["base_unit"], s), 0)
+            runs = f" ({n} runs)" if n > 1 else ""
+            runs += f" ({base}: {nb} runs)" if nb > 1 else ""
+            cells.append("-" if s not in g else f"{g[s]:+.4f}{runs}")
         values = list(g.values())
         side = "lower" if all(v < 0 for v in values) else "higher" if all(v > 0 for v in values) else "mixed"
         if side != "mixed" and rerun is not None and min(abs(v) for v in values) <= rerun:
-            side += ", within the rerun spread in some seed"
+            side += ", within the spread of one seed's runs in some seed"
         out.append("| " + " | ".join([kind] + cells + [f"{statistics.fmean(values):+.4f}", side]) + " |")
     out.append("")
-    out.append(f"Runs of one kind and seed differ by up to {rerun:.4f} (reruns: the kernels are not bitwise "
-               "deterministic): a gap within it in some seed is not settled by that seed." if rerun is not None else
-               "No kind ran twice at one seed: no rerun spread to set the paired gaps against.")
+    out.append(f"Runs of one configuration and seed differ by up to {rerun:.4f}: a gap within that in some seed "
+               "is not settled by that seed." if rerun is not None else
+               "No configuration ran twice at one seed: nothing shows what is left within a seed.")
     return out
 
 
@@ -401,7 +421,8 @@ def _gpu_hours(v) -> str:
     return "-" if not finite(v) else f"{v:.3g}"
 
 
-def time_table(rows: list[dict], base: dict, metric: str, target: float, target_from: str) -> list[str]:
+def time_table(rows: list[dict], base: dict, metric: str, target: float, target_from: str,
+               paired: bool = False) -> list[str]:
     """Markdown: the heading, what time means, then one row per run, soonest to reach the target
     first (GPU-hours), the runs that never did last (lowest final loss first)."""
     key, name = METRICS[metric]
@@ -439,7 +460,8 @@ def time_table(rows: list[dict], base: dict, metric: str, target: float, target_
             else ""
         out.append(f"Seed spread, {s['kind']} ({', '.join(s['runs'])}): final {name} differs by {s['spread']:.4f}{t}.")
     if tie is not None:
-        out.append(f"Final losses within {tie:.4f} of the best (the largest seed spread) are marked as ties.")
+        out.append(f"Final losses within {tie:.4f} of the best (the largest seed spread) are marked as ties"
+                   + ("; the gaps within each seed below are the finer test." if paired else "."))
     else:
         out.append("No two runs of one FFN and precision differ only in seed: no run-to-run spread to judge ties by.")
     return out
@@ -630,7 +652,8 @@ def main(argv=None) -> int:
         base_index = 0
     else:
         # "swiglu tensorwise" names a run also where the labels leave the precision out (all runs share it)
-        names = [(r["label"], r["run"], r["name"], f"{r['variant']} {r['precision']}") for r in rows]
+        names = [(r["label"], r["run"], r["name"], f"{r['variant']} {r['precision']}",
+                  f"{r['variant']} {r['precision']} seed {r['seed']}", f"{r['variant']} seed {r['seed']}") for r in rows]
         matches = [i for i, n in enumerate(names) if args.baseline in n]
         if len(matches) != 1:
             what = "is none" if not matches else "matches more than one"
@@ -656,10 +679,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
     if target is not None:
-        table += "\n\n" + "\n".join(time_table(rows, base, args.target_metric, target, target_from))
         pairs = seed_pairs(rows, base, final)
+        table += "\n\n" + "\n".join(time_table(rows, base, args.target_metric, target, target_from, pairs is not None))
         if pairs:
             table += "\n\n" + "\n".join(seed_pairs_table(pairs, name))
+        elif len({r["seed"] for r in rows if r.get("seed") is not None}) > 1:
+            table += (f"\n\nNo gaps within each seed: {base['label']}'s configuration did not run at two seeds "
+                      "that another also ran at (--baseline names one that did).")
     else:
         table += f"\n\nNo run logged a {name}: no time-to-loss table."
     print(table)

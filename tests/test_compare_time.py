@@ -282,30 +282,44 @@ def test_energy_per_token_needs_power_and_a_positive_rate():
     assert compare.mj_per_token({"gpu_power_w": float("nan"), "tokens_per_s": 1000.0}) is None
 
 
-def test_gaps_within_each_seed_against_the_baseline_kind(tmp_path, monkeypatch):
-    """Three FFNs at two seeds, srelu24 twice at seed 1337: each kind's final loss minus srelu's in
-    the same seed, reruns averaged, and the reruns' spread as the noise a paired gap must clear."""
+def test_gaps_within_each_seed_against_the_baseline_kind(tmp_path, monkeypatch, capsys):
+    """Three FFNs at two seeds, srelu24 twice at seed 1337, and an srelu24 ablation at both: each
+    configuration's final loss minus srelu's in the same seed, runs of one configuration and seed
+    averaged, the ablation apart, and the spread of one seed's runs as what a paired gap must clear."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     m = tmp_path / "multirun"
     runs = [("0_swiglu_tensorwise", "swiglu", 1337, 3.00), ("1_srelu_tensorwise", "srelu", 1337, 3.05),
             ("2_srelu24_tensorwise", "srelu24", 1337, 3.08), ("3_srelu24_tensorwise_rerun", "srelu24", 1337, 3.10),
             ("4_swiglu_tensorwise_seed2", "swiglu", 2, 2.90), ("5_srelu_tensorwise_seed2", "srelu", 2, 2.96),
-            ("6_srelu24_tensorwise_seed2", "srelu24", 2, 2.97)]
+            ("6_srelu24_tensorwise_seed2", "srelu24", 2, 2.97), ("7_srelu24_no_permutation", "srelu24", 1337, 3.20),
+            ("8_srelu24_no_permutation_seed2", "srelu24", 2, 3.00)]
     for job, ffn, seed, final in runs:
-        make_run(m, job, ffn, "tensorwise", seed=seed, speeds=[1000.0] * 10, val=[5.0, 4.0, 3.5, 3.2, final])
-    assert compare.main([str(m), "--baseline", "srelu seed 1337"]) == 0
+        run = make_run(m, job, ffn, "tensorwise", seed=seed, speeds=[1000.0] * 10, val=[5.0, 4.0, 3.5, 3.2, final])
+        if "no_permutation" in job:  # an ablation: same kind and seed, other ffn settings
+            cfg = yaml.safe_load((run / "config_resolved.yaml").read_text())
+            cfg["ffn"]["token_permutation"] = False
+            (run / "config_resolved.yaml").write_text(yaml.safe_dump(cfg))
+    assert compare.main([str(m), "--baseline", "srelu tensorwise seed 1337"]) == 0  # names the precision too
     md = (m / "report" / "summary.md").read_text()
     assert "## Final validation loss against srelu, within each seed" in md
-    # seed order as strings ("1337" < "2"); swiglu lower in both seeds, by 0.05 and 0.06
-    assert "| swiglu | -0.0500 | -0.0600 | -0.0550 | lower |" in md
-    # srelu24 at 1337: the mean of 3.08 and 3.10 against 3.05; at seed 2 +0.01, under the reruns' 0.02
-    assert "| srelu24 | +0.0400 (2 runs) | +0.0100 | +0.0250 | higher, within the rerun spread in some seed |" in md
+    assert "| run | seed 2 | seed 1337 | mean | every seed |" in md  # seeds in numeric order
+    # swiglu lower in both seeds, by 0.06 and 0.05
+    assert "| swiglu | -0.0600 | -0.0500 | -0.0550 | lower |" in md
+    # srelu24 at 1337: the mean of 3.08 and 3.10 against 3.05; at seed 2 +0.01, under those runs' 0.02
+    assert ("| srelu24_tensorwise | +0.0100 | +0.0400 (2 runs) | +0.0250 | higher, within the spread of one seed's runs in "
+            "some seed |") in md
+    # the ablation is not averaged with srelu24; where a kind has several configurations, a row is named by its
+    # first run's sweep choice
+    assert "| srelu24_no_permutation | +0.0400 | +0.1500 | +0.0950 | higher |" in md
     assert "differ by up to 0.0200" in md
+    assert "the gaps within each seed below are the finer test" in md
 
-    # one seed with every FFN is no pairing: the section is left out
+    # one seed with every FFN is no pairing: the section is left out, and the table says why
     for job in ("4_swiglu_tensorwise_seed2", "5_srelu_tensorwise_seed2"):
         for f in (m / job).iterdir():
             f.unlink()
         (m / job).rmdir()
     assert compare.main([str(m), "--baseline", "srelu"]) == 0
-    assert "within each seed" not in (m / "report" / "summary.md").read_text()
+    md = (m / "report" / "summary.md").read_text()
+    assert "## Final validation loss against" not in md and "the finer test" not in md
+    assert "No gaps within each seed: srelu's configuration did not run at two seeds" in md
