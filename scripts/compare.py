@@ -44,9 +44,10 @@ is noisier: one batch). L defaults to the worst run's final value. Runs of one F
 precision that differ only in seed give the run-to-run spread: final losses closer to the best
 than that spread are marked as ties. Where two or more seeds each hold the baseline's
 configuration (FFN, precision and ffn settings) and another, summary.md also gives each
-configuration's final loss minus the baseline's within each seed: a seed moves every FFN's loss
-together, so a gap of one sign in every seed can be settled where the seed spread is wider than
-the gap (runs of one configuration and seed, where there are several, show what is left).
+configuration's final loss minus the baseline's within each seed, and its time to the baseline's
+final loss of each seed: a seed moves every FFN's loss together, so a gap of one sign in every
+seed can be settled where the seed spread is wider than the gap (runs of one configuration and
+seed, where there are several, show what is left).
 """
 import argparse
 import csv
@@ -312,13 +313,16 @@ def _seed_order(seed):
     return (0, seed, "") if isinstance(seed, (int, float)) else (1, 0, str(seed))
 
 
-def seed_pairs(rows: list[dict], base: dict, key: str) -> Optional[dict]:
-    """Each configuration's final `key` minus the baseline's within each seed, where at least two
-    seeds hold the baseline's configuration and another: a seed fixes the initialization and the
-    data order, which move every FFN's loss together, so the paired gap leaves out what the seed
-    spread is made of. A configuration is a kind (FFN, precision) with its ffn settings: ablations
-    of one kind stay apart. Several runs of one configuration and seed are averaged; their largest
-    difference is what is left within a seed. None where the runs give no such pairing."""
+def seed_pairs(rows: list[dict], base: dict, metric: str = "val") -> Optional[dict]:
+    """Each configuration's final loss (`metric`) minus the baseline's within each seed, and its
+    time to the baseline's final loss of that seed, where at least two seeds hold the baseline's
+    configuration and another: a seed fixes the initialization and the data order, which move
+    every FFN's loss together, so the paired gap leaves out what the seed spread is made of. A
+    configuration is a kind (FFN, precision) with its ffn settings: ablations of one kind stay
+    apart. Several runs of one configuration and seed are averaged; their largest difference is
+    what is left within a seed. None where the runs give no such pairing."""
+    key = "final_val_loss" if metric == "val" else "final_loss"
+
     def unit(r):
         return r["kind"], r.get("_ffn")
 
@@ -329,24 +333,33 @@ def seed_pairs(rows: list[dict], base: dict, key: str) -> Optional[dict]:
     cells = {}
     for r in rows:
         if r.get("seed") is not None and finite(r.get(key)):
-            cells.setdefault((unit(r), r["seed"]), []).append(r[key])
+            cells.setdefault((unit(r), r["seed"]), []).append(r)
     b = unit(base)
     seeds = sorted({s for u, s in cells if u == b}, key=_seed_order)
-    gaps = {}
-    for u in dict.fromkeys(unit(r) for r in rows if unit(r) != b):
-        g = {s: statistics.fmean(cells[(u, s)]) - statistics.fmean(cells[(b, s)]) for s in seeds if (u, s) in cells}
-        if len(g) >= 2:
-            gaps[names[u]] = (u, g)
+    target = {s: statistics.fmean(r[key] for r in cells[(b, s)]) for s in seeds}
+    gaps, times = {}, {}
+    for u in dict.fromkeys(unit(r) for r in rows):
+        at = [s for s in seeds if (u, s) in cells]
+        if u != b and len(at) < 2:
+            continue
+        if u != b:
+            gaps[names[u]] = (u, {s: statistics.fmean(r[key] for r in cells[(u, s)]) - target[s] for s in at})
+        # hours and GPU-hours to the baseline's final loss of the seed: means over the runs, None if one never got there
+        got = {s: [time_to_target(r, target[s], metric) for r in cells[(u, s)]] for s in at}
+        times[names[u]] = {s: (statistics.fmean(x["hours_to_target"] for x in g),
+                               statistics.fmean(x["gpu_hours_to_target"] for x in g))
+                           if all(x["reached"] for x in g) else None for s, g in got.items()}
     if not gaps:
         return None
-    reruns = [max(v) - min(v) for v in cells.values() if len(v) > 1]
-    return {"base": names[b], "base_unit": b, "seeds": seeds, "gaps": gaps,
+    reruns = [max(x[key] for x in v) - min(x[key] for x in v) for v in cells.values() if len(v) > 1]
+    return {"base": names[b], "base_unit": b, "seeds": seeds, "gaps": gaps, "times": times, "targets": target,
             "runs": {c: len(v) for c, v in cells.items()}, "rerun_spread": max(reruns) if reruns else None}
 
 
 def seed_pairs_table(pairs: dict, name: str) -> list[str]:
     """Markdown: one row per configuration, its gap to the baseline's in each seed, the mean over
-    the seeds it ran at, and whether every one of them puts it on the same side."""
+    the seeds it ran at, and whether every one of them puts it on the same side; then each
+    configuration's time to the baseline's final loss in each seed."""
     seeds, base = pairs["seeds"], pairs["base"]
     out = [f"## Final {name} against {base}, within each seed", "",
            "A seed fixes the initialization and the data order, which move every run's loss together: the gap "
@@ -371,6 +384,23 @@ def seed_pairs_table(pairs: dict, name: str) -> list[str]:
     out.append(f"Runs of one configuration and seed differ by up to {rerun:.4f}: a gap within that in some seed "
                "is not settled by that seed." if rerun is not None else
                "No configuration ran twice at one seed: nothing shows what is left within a seed.")
+    heads = [f"seed {s}: to {pairs['targets'][s]:.4f}" for s in seeds]
+    out += ["", f"### Time to {base}'s final {name} within each seed", "",
+            f"Time (the basis above) and GPU-hours to the {name} {base} ended at in that seed, and {base}'s "
+            "GPU-hours over the run's (above 1: sooner).", "", "| " + " | ".join(["run"] + heads) + " |", "|" + "---|" * (len(seeds) + 1)]
+    own = pairs["times"][base]
+    for kind, t in pairs["times"].items():
+        cells = []
+        for s in seeds:
+            if s not in t:
+                cells.append("-")
+            elif t[s] is None:
+                cells.append("not reached")
+            else:
+                hours, gpu_hours = t[s]
+                ratio = f" ({own[s][1] / gpu_hours:.2f}x)" if own.get(s) and gpu_hours > 0 else ""
+                cells.append(f"{_duration(hours)}, {_gpu_hours(gpu_hours)} GPU-hours{ratio}")
+        out.append("| " + " | ".join([kind] + cells) + " |")
     return out
 
 
@@ -679,7 +709,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
     if target is not None:
-        pairs = seed_pairs(rows, base, final)
+        pairs = seed_pairs(rows, base, args.target_metric)
         table += "\n\n" + "\n".join(time_table(rows, base, args.target_metric, target, target_from, pairs is not None))
         if pairs:
             table += "\n\n" + "\n".join(seed_pairs_table(pairs, name))

@@ -313,6 +313,12 @@ def test_gaps_within_each_seed_against_the_baseline_kind(tmp_path, monkeypatch, 
     assert "| srelu24_no_permutation | +0.0400 | +0.1500 | +0.0950 | higher |" in md
     assert "differ by up to 0.0200" in md
     assert "the gaps within each seed below are the finer test" in md
+    # time to srelu's final loss of each seed (1 s a step: 1000 tokens a step at 1000 tokens/s): swiglu gets to
+    # 2.96 (seed 2) at step 96 (3.2 at 80, 2.90 at 100) and to 3.05 (seed 1337) at step 95, srelu at its last
+    assert "| run | seed 2: to 2.9600 | seed 1337: to 3.0500 |" in md
+    assert "| swiglu | 1.6 min, 0.0267 GPU-hours (1.04x) | 1.6 min, 0.0264 GPU-hours (1.05x) |" in md
+    assert "| srelu | 1.7 min, 0.0278 GPU-hours (1.00x) | 1.7 min, 0.0278 GPU-hours (1.00x) |" in md
+    assert "| srelu24_tensorwise | not reached | not reached |" in md
 
     # one seed with every FFN is no pairing: the section is left out, and the table says why
     for job in ("4_swiglu_tensorwise_seed2", "5_srelu_tensorwise_seed2"):
