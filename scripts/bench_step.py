@@ -821,8 +821,9 @@ def report(args, results: list[dict], device: torch.device) -> None:
     print(f"\n{' '.join(args.override)} on {r0['world_size']} x {where} ({r0['strategy']}, micro-batch "
           f"{r0['micro_batch']} x {r0['seq_len']} per rank, accum {r0['accum']}{cut}{commit})")
     print("\n".join(table(results)))
-    if args.rounds > 1:
-        print("\n".join(["", f"each row: its median of {args.rounds} interleaved rounds"] + round_ratios(results)))
+    if any(r.get("rounds") for r in results):  # from the rows: report() also serves records made elsewhere
+        n = max(len(r.get("rounds", ())) for r in results)
+        print("\n".join(["", f"each row: its median of {n} interleaved rounds"] + round_ratios(results)))
     print(f"record: {args.out} (rows of several records in one table: python scripts/bench_step.py --merge A.json B.json)")
     if any(r.get("clocks", {}).get("samples") for r in results):
         print("\nclocks over the timed steps (NVML medians; joules from its energy counter): "
