@@ -6,7 +6,7 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run on the CPU interpreter (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import prepare_shared_cache, write_corpus  # noqa: E402
+import helpers  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,14 +19,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def background_launches(request, tmp_path_factory):
+    """Every collected module's @background jobs (tests/helpers.py), started with the session."""
+    with helpers.background_session(request.session, tmp_path_factory):
+        yield
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """This module's @background jobs: name -> Future."""
+    return helpers.launched(request.module.__name__)
+
+
 # Shared by the modules that train on a small corpus; a module may override either (other sizes,
-# an unprepared cache). Module scope: each module gets its own.
+# an unprepared cache). Module scope: each module gets its own (its @background jobs get the same).
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
+def corpus(request, tmp_path_factory):
+    return helpers.module_data(request.module.__name__, tmp_path_factory, "corpus")
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory, corpus):
+def cache(request, tmp_path_factory, corpus):
     """A shard cache prepared once from `corpus`."""
-    return prepare_shared_cache(tmp_path_factory, corpus)
+    return helpers.module_data(request.module.__name__, tmp_path_factory, "cache")

@@ -2,7 +2,10 @@
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -23,10 +26,106 @@ def to_object(dcfg):
     return OmegaConf.to_object(dcfg)
 
 
+# The session's environment, for the subprocesses the tests start: a variable a test sets for
+# itself (monkeypatch.setenv RANK, say) does not reach a launch running beside it (see `background`).
+BASE_ENV = dict(os.environ)
+
+
 def run_train(args: list[str], cwd: Path = ROOT, timeout: int = 600, env: dict = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **(env or {})}
+    env = {**BASE_ENV, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- launches in the background
+#
+# Most of the suite's time on a small CI machine is subprocesses: train.py, the scripts and torchrun,
+# each mostly its single-threaded imports and a tiny run on one thread. A test module lists that
+# work in a function marked @background; conftest.py starts every collected module's list when the
+# session starts, WORKERS jobs at a time in threads, in module order, while the main thread runs
+# the in-process tests. A test reads its job's Future from the `launched` fixture and asserts on
+# its result, or calls .result() on a job that made the checks itself (its exception then fails
+# the test). Jobs only launch processes and read their files: the main thread's monkeypatches and
+# environment variables stay the main thread's (BASE_ENV).
+
+WORKERS = 2  # CI's cores
+_PROVIDERS: dict[str, Callable] = {}  # test module name -> its @background function
+_STARTED: dict[str, dict[str, Future]] = {}  # test module name -> its jobs, started
+_DATA: dict[tuple[str, str], Path] = {}  # (test module name, "corpus" | "cache") -> path
+
+
+def background(provider: Callable) -> Callable:
+    """Marks a test module's function `provider(ctx: Launches) -> jobs` or `-> (jobs, needed_by)`.
+
+    jobs: name -> a callable of no arguments. A job is keyed by the test or the module's fixture
+    that reads it (its name, or its name and a parameter as `name[param]`), or by any name with the
+    tests or fixtures that read it in needed_by (a run several tests compare with); only the jobs
+    collected tests need start, in the order given, into ctx.futures: a job may wait there for one
+    given before it."""
+    _PROVIDERS[provider.__module__] = provider
+    return provider
+
+
+def module_data(module: str, tmp_path_factory, what: str) -> Path:
+    """The module's corpus (write_corpus) or its shard cache prepared from it (prepare_shared_cache):
+    conftest.py's `corpus` and `cache`, made once per module, also for its background jobs."""
+    if (module, "corpus") not in _DATA:
+        _DATA[module, "corpus"] = write_corpus(tmp_path_factory.mktemp("corpus"))
+    if what == "cache" and (module, "cache") not in _DATA:
+        _DATA[module, "cache"] = prepare_shared_cache(tmp_path_factory, _DATA[module, "corpus"])
+    return _DATA[module, what]
+
+
+class Launches:
+    """What a module's @background function is given: temporary directories, the module's corpus
+    and shard cache (made here, in the main thread, before any job starts), and the futures."""
+
+    def __init__(self, module: str, tmp_path_factory):
+        self.module, self.factory, self.futures = module, tmp_path_factory, {}
+
+    def tmp(self, name: str) -> Path:
+        return self.factory.mktemp(name)
+
+    @property
+    def corpus(self) -> Path:
+        return module_data(self.module, self.factory, "corpus")
+
+    @property
+    def cache(self) -> Path:
+        return module_data(self.module, self.factory, "cache")
+
+
+@contextmanager
+def background_session(session, tmp_path_factory) -> Iterator[None]:
+    """Starts the collected modules' @background jobs (conftest.py, at the session's start); on
+    exit every started job has ended."""
+    tests: dict[str, set] = {}  # module -> its collected tests' names and the fixtures they use
+    for item in session.items:
+        module = getattr(getattr(item, "module", None), "__name__", None)
+        tests.setdefault(module, set()).update([getattr(item, "originalname", item.name),
+                                                *getattr(item, "fixturenames", ())])
+    pool = ThreadPoolExecutor(WORKERS)
+    try:
+        for module, names in tests.items():
+            if module not in _PROVIDERS:
+                continue
+            ctx = Launches(module, tmp_path_factory)
+            jobs = _PROVIDERS[module](ctx)
+            jobs, needed_by = jobs if isinstance(jobs, tuple) else (jobs, {})
+            _STARTED[module] = ctx.futures
+            for name, job in jobs.items():
+                if name.split("[")[0] in names or names.intersection(needed_by.get(name, ())):
+                    ctx.futures[name] = pool.submit(job)
+        yield
+    except BaseException:  # an interrupted session: the jobs not yet started never start
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def launched(module: str) -> dict[str, Future]:
+    """The started jobs of a test module (conftest.py's `launched` fixture)."""
+    return _STARTED.get(module, {})
 
 
 def write_corpus(root: Path, n_files: int = 40) -> Path:

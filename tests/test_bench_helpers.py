@@ -3,7 +3,23 @@ kernel categories of the step figure (the clock sampler: tests/test_gpu_clocks.p
 import pytest
 import torch
 
+from helpers import BASE_ENV, background
 from scripts.ffn_inputs import ffn_inputs
+
+
+@background
+def launches(ctx):
+    """The checks of the tests that launch the scripts (helpers.background); each test waits for
+    its own."""
+    tmp = ctx.tmp("replot")
+    jobs = {"test_bench_step_names_a_bad_variant_and_refuses_to_replot_what_it_cannot":
+            lambda: check_bench_step_names_a_bad_variant_and_refuses_to_replot_what_it_cannot(tmp),
+            "test_bench_step_refuses_an_unknown_precision_and_float8_on_a_cpu_in_one_line":
+            check_bench_step_refuses_an_unknown_precision_and_float8_on_a_cpu_in_one_line,
+            "test_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work":
+            check_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work,
+            "test_bench_ffn_refuses_fewer_than_one_round": check_bench_ffn_refuses_fewer_than_one_round}
+    return jobs
 
 
 @pytest.mark.parametrize("density", [0.5, 0.1, 0.02])
@@ -50,10 +66,14 @@ def run_bench_step(*args):
 
     from helpers import ROOT
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, env=BASE_ENV, timeout=120)
 
 
-def test_bench_step_names_a_bad_variant_and_refuses_to_replot_what_it_cannot(tmp_path):
+def test_bench_step_names_a_bad_variant_and_refuses_to_replot_what_it_cannot(launched):
+    launched["test_bench_step_names_a_bad_variant_and_refuses_to_replot_what_it_cannot"].result()
+
+
+def check_bench_step_names_a_bad_variant_and_refuses_to_replot_what_it_cannot(tmp_path):
     r = run_bench_step("--ffns", "srelu,sparse", "+experiment=demo")
     assert r.returncode != 0 and "--ffns: unknown variant(s) ['sparse']" in r.stderr and "srelu24" in r.stderr
     other = tmp_path / "bench_ffn.json"
@@ -103,13 +123,17 @@ def test_throughput_logs_the_interval_clock_when_given_a_sampler():
     assert "gpu_sm_clock_mhz" not in Throughput(torch.device("cpu"), 100, 10).read()
 
 
-def test_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work():
+def test_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work(launched):
+    launched["test_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work"].result()
+
+
+def check_bench_ffn_refuses_a_density_outside_0_1_before_any_gpu_work():
     import subprocess
     import sys
 
     from helpers import ROOT
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ffn.py"), "--density", "1.5"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, env=BASE_ENV, timeout=120)
     assert r.returncode == 2 and "--density is the fraction of positive pre-activations, in (0, 1); got 1.5" in r.stderr
 
 
@@ -128,13 +152,17 @@ def test_rounds_time_every_variant_once_a_round_in_alternating_order():
     assert got == {"a": [0, 5, 6], "b": [1, 4, 7], "c": [2, 3, 8]}
 
 
-def test_bench_ffn_refuses_fewer_than_one_round():
+def test_bench_ffn_refuses_fewer_than_one_round(launched):
+    launched["test_bench_ffn_refuses_fewer_than_one_round"].result()
+
+
+def check_bench_ffn_refuses_fewer_than_one_round():
     import subprocess
     import sys
 
     from helpers import ROOT
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ffn.py"), "--repeats", "0"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, env=BASE_ENV, timeout=120)
     assert r.returncode == 2 and "--repeats is the number of rounds of the float8 part, >= 1; got 0" in r.stderr
 
 
@@ -157,7 +185,11 @@ def test_bench_steps_clock_reads_every_step_once_after_the_last():
         assert min(data, fw, bw) >= 3.5 and op >= 1.5  # two marks each, one for the optimizer
 
 
-def test_bench_step_refuses_an_unknown_precision_and_float8_on_a_cpu_in_one_line():
+def test_bench_step_refuses_an_unknown_precision_and_float8_on_a_cpu_in_one_line(launched):
+    launched["test_bench_step_refuses_an_unknown_precision_and_float8_on_a_cpu_in_one_line"].result()
+
+
+def check_bench_step_refuses_an_unknown_precision_and_float8_on_a_cpu_in_one_line():
     r = run_bench_step("--precisions", "none,fp8", "+experiment=demo")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1

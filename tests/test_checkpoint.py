@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
 import training.checkpoint as ck
-from helpers import ROOT
+from helpers import BASE_ENV, ROOT, background
 from model import Transformer
 from model.config import FFNConfig, ModelConfig
 from training.errors import CheckpointError
@@ -144,10 +144,20 @@ c.close()
 """
 
 
-def test_sigkill_during_an_async_write_leaves_nothing_resume_would_pick(tmp_path):
-    run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-c", KILL_MID_ASYNC_WRITE, str(run), str(ROOT)], capture_output=True,
-                       text=True, timeout=120)
+@background
+def launches(ctx):
+    """The two processes killed mid-write (helpers.background): (result, run directory) each."""
+    def killed(script: str, name: str):
+        run = ctx.tmp(name) / "run"
+        return lambda: (subprocess.run([sys.executable, "-c", script, str(run), str(ROOT)], capture_output=True,
+                                       text=True, env=BASE_ENV, timeout=120), run)
+
+    return {"test_sigkill_during_an_async_write_leaves_nothing_resume_would_pick": killed(KILL_MID_ASYNC_WRITE, "async"),
+            "test_sigkill_while_pruning_leaves_no_step_directory_without_manifest": killed(KILL_MID_PRUNE, "prune")}
+
+
+def test_sigkill_during_an_async_write_leaves_nothing_resume_would_pick(launched):
+    p, run = launched["test_sigkill_during_an_async_write_leaves_nothing_resume_would_pick"].result()
     assert p.returncode == -9, p.stderr[-2000:]
     assert "saved 2" in p.stdout  # killed in the background write, after save() had returned
     assert names(run) == [".step_00000002.tmp", "step_00000001"]
@@ -262,10 +272,8 @@ ck.save_checkpoint(run, 3, {"model": {"w": torch.ones(1000) * 3}, "rank": {"x": 
 """
 
 
-def test_sigkill_while_pruning_leaves_no_step_directory_without_manifest(tmp_path):
-    run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-c", KILL_MID_PRUNE, str(run), str(ROOT)], capture_output=True, text=True,
-                       timeout=120)
+def test_sigkill_while_pruning_leaves_no_step_directory_without_manifest(launched):
+    p, run = launched["test_sigkill_while_pruning_leaves_no_step_directory_without_manifest"].result()
     assert p.returncode == -9, p.stderr[-2000:]
     left = names(run)
     assert left == [".step_00000001.deleting.tmp", "step_00000002", "step_00000003"], left

@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from helpers import ROOT, run_train, tiny_overrides, write_corpus
+from helpers import ROOT, background, prepare_shared_cache, run_train, tiny_overrides, with_cache, write_corpus
 
 spec = importlib.util.spec_from_file_location("compare", ROOT / "scripts" / "compare.py")
 compare = importlib.util.module_from_spec(spec)
@@ -28,17 +28,28 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.fixture(scope="module")
-def multirun(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("compare")
+@background
+def launches(ctx):
+    """The multirun's runs (helpers.background), on a shard cache prepared before they start."""
+    tmp = ctx.tmp("compare")
     corpus = write_corpus(tmp / "corpus")
-    for job, ffn in JOBS.items():
+    cache = prepare_shared_cache(ctx.factory, corpus)
+
+    def run(job: str, ffn: str):
         extra = [f"ffn={ffn}", "ffn.dense_warmup_steps=2", "ffn.hidden_dim=128", "trainer.max_steps=6",
                  "trainer.eval_every=3", "trainer.log_every=1", "trainer.ckpt_every=100",
                  f"hydra.run.dir={tmp / 'multi' / job}"]  # after tiny_overrides' hydra.run.dir: wins
-        r = run_train(tiny_overrides(tmp, corpus, extra))
+        return lambda: (run_train(with_cache(tiny_overrides(tmp, corpus, extra), cache)), tmp / "multi")
+
+    return {f"multirun[{job}]": run(job, ffn) for job, ffn in JOBS.items()}
+
+
+@pytest.fixture(scope="module")
+def multirun(launched) -> Path:
+    for job in JOBS:
+        r, multi = launched[f"multirun[{job}]"].result()
         assert r.returncode == 0, r.stderr[-3000:]
-    return tmp / "multi"
+    return multi
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,59 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXPERIMENTS, compose_config, run_train, to_object
+from helpers import BASE_ENV, EXPERIMENTS, ROOT, background, compose_config, run_train, to_object
 from model.config import ffn_hidden_dim
+
+BAD_RUN_INPUT = [("trainer.batch_size=0", "trainer.batch_size=0 is out of range"),
+                 ("trainer.batch_size=-16", "trainer.batch_size=-16 is out of range"),
+                 ("optim.lr=-1", "optim.lr=-1.0 is out of range: valid is >= 0"),
+                 ("model.n_layers=0", "model.n_layers=0 is out of range")]
+
+
+def torchrun_with_a_config_error(run_dir: Path):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                           str(ROOT / "train.py"), "trainer.batch_size=0", f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**BASE_ENV,
+                                                                                      "WANDB_MODE": "disabled"})
+
+
+@background
+def launches(ctx):
+    """The command-line tests' train.py launches (helpers.background); each test checks its own.
+    Those given a run directory return (result, run directory)."""
+    def run_in(name: str, args: list[str]):
+        d = ctx.tmp(name) / "run"
+        return lambda: (run_train([*args, f"hydra.run.dir={d}"]), d)
+
+    jobs = {
+        "test_cfg_job_prints_composed_config": lambda: run_train(["+experiment=sparse_7b", "--cfg", "job"]),
+        "test_dry_run_prints_sizes_without_allocating": run_in("dry_run", ["+experiment=sparse_7b", "trainer.dry_run=true",
+                                                                           "model.vocab_size=32000"]),
+        "test_unknown_ffn_lists_valid_options": lambda: run_train(["ffn=gelu", "trainer.dry_run=true"]),
+        "test_misspelt_key_fails_at_start": lambda: run_train(["trainer.seq_lenn=128", "trainer.dry_run=true"]),
+        "test_wrong_type_fails_at_start": lambda: run_train(["trainer.seq_len=long", "trainer.dry_run=true"]),
+        "test_bad_ffn_kind_lists_valid_kinds": lambda: run_train(["ffn.kind=gelu", "trainer.dry_run=true"]),
+        "test_unknown_experiment_lists_experiments": lambda: run_train(["+experiment=srelu24_13b"]),
+        "test_srelu24_hidden_size_it_cannot_take": run_in("hidden", ["ffn=srelu24", "ffn.hidden_dim=1000",
+                                                                     "trainer.dry_run=true"]),
+        "test_batch_not_divisible_by_micro_batch": run_in("batch", ["trainer.batch_size=10", "trainer.micro_batch_size=4",
+                                                                    "trainer.dry_run=true"]),
+        **{f"test_bad_input_in_a_real_run_is_one_line_exit_2_and_writes_nothing[{o}]": run_in("bad", [o])
+           for o, _ in BAD_RUN_INPUT},
+        "test_config_error_under_torchrun_is_printed_by_rank_0_only":
+            (lambda d=ctx.tmp("torchrun") / "run": torchrun_with_a_config_error(d)),
+        "test_hydra_shell_completion_passes_the_pre_compose[install]": lambda: run_train(["-sc", "install=bash"]),
+        "test_hydra_shell_completion_passes_the_pre_compose[query]":  # what bash asks on <tab>
+            lambda: run_train(["-sc", "query=bash"], env={"COMP_LINE": "python train.py ffn="}),
+        "test_a_bad_wandb_mode_variable_is_one_line_naming_it[loud]":
+            lambda: run_train(["trainer.dry_run=true"], env={"WANDB_MODE": "loud"}),
+        "test_a_bad_wandb_mode_variable_is_one_line_naming_it[setting]":
+            lambda: run_train(["trainer.dry_run=true", "logging.wandb.mode=disabled"], env={"WANDB_MODE": "loud"}),
+    }
+    return jobs
 
 
 # the experiments' former names: each file only points to its new one
@@ -89,15 +140,14 @@ def test_study_sweeps_six_variants_with_one_seed_and_budget():
         common = rest
 
 
-def test_cfg_job_prints_composed_config():
-    r = run_train(["+experiment=sparse_7b", "--cfg", "job"])
+def test_cfg_job_prints_composed_config(launched):
+    r = launched["test_cfg_job_prints_composed_config"].result()
     assert r.returncode == 0, r.stderr
     assert "kind: srelu24" in r.stdout and "dim: 4096" in r.stdout
 
 
-def test_dry_run_prints_sizes_without_allocating(tmp_path):
-    r = run_train(["+experiment=sparse_7b", "trainer.dry_run=true", "model.vocab_size=32000",
-                   f"hydra.run.dir={tmp_path}"])
+def test_dry_run_prints_sizes_without_allocating(launched):
+    r, _ = launched["test_dry_run_prints_sizes_without_allocating"].result()
     assert r.returncode == 0, r.stderr
     assert "6,476,271,616" in r.stdout  # non-embedding parameters of Llama-2-7B shapes (srelu hidden 16512)
     assert "6,738,415,616" in r.stdout  # total with a 32000 vocabulary
@@ -112,23 +162,23 @@ def one_error_line(r) -> str:
     return lines[0]
 
 
-def test_unknown_ffn_lists_valid_options():
-    line = one_error_line(run_train(["ffn=gelu", "trainer.dry_run=true"]))
+def test_unknown_ffn_lists_valid_options(launched):
+    line = one_error_line(launched["test_unknown_ffn_lists_valid_options"].result())
     assert "ffn/gelu" in line and "swiglu, srelu" in line.replace("srelu, srelu24, swiglu", "swiglu, srelu")
 
 
-def test_misspelt_key_fails_at_start():
-    line = one_error_line(run_train(["trainer.seq_lenn=128", "trainer.dry_run=true"]))
+def test_misspelt_key_fails_at_start(launched):
+    line = one_error_line(launched["test_misspelt_key_fails_at_start"].result())
     assert "seq_lenn" in line and "TrainerConfig" in line
 
 
-def test_wrong_type_fails_at_start():
-    line = one_error_line(run_train(["trainer.seq_len=long", "trainer.dry_run=true"]))
+def test_wrong_type_fails_at_start(launched):
+    line = one_error_line(launched["test_wrong_type_fails_at_start"].result())
     assert "trainer.seq_len" in line and "Integer" in line
 
 
-def test_bad_ffn_kind_lists_valid_kinds():
-    line = one_error_line(run_train(["ffn.kind=gelu", "trainer.dry_run=true"]))
+def test_bad_ffn_kind_lists_valid_kinds(launched):
+    line = one_error_line(launched["test_bad_ffn_kind_lists_valid_kinds"].result())
     assert "[swiglu, srelu, srelu24]" in line
 
 
@@ -151,22 +201,21 @@ def test_ffn_yaml_with_an_unknown_kind_fails_with_one_line(tmp_path, capsys):
     assert len(lines) == 1 and "ffn.kind=gelu" in lines[0] and "[swiglu, srelu, srelu24]" in lines[0], lines
 
 
-def test_unknown_experiment_lists_experiments():
-    line = one_error_line(run_train(["+experiment=srelu24_13b"]))
+def test_unknown_experiment_lists_experiments(launched):
+    line = one_error_line(launched["test_unknown_experiment_lists_experiments"].result())
     assert "sparse_7b" in line and "demo" in line
 
 
-def test_srelu24_hidden_size_it_cannot_take(tmp_path):
-    r = run_train(["ffn=srelu24", "ffn.hidden_dim=1000", "trainer.dry_run=true", f"hydra.run.dir={tmp_path}"])
+def test_srelu24_hidden_size_it_cannot_take(launched):
+    r, _ = launched["test_srelu24_hidden_size_it_cannot_take"].result()
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines == [lines[-1]] and "ffn.hidden_dim" in lines[-1] and "multiple of 64" in lines[-1]
     assert "960" in lines[-1] and "1024" in lines[-1]
 
 
-def test_batch_not_divisible_by_micro_batch(tmp_path):
-    r = run_train(["trainer.batch_size=10", "trainer.micro_batch_size=4", "trainer.dry_run=true",
-                   f"hydra.run.dir={tmp_path}"])
+def test_batch_not_divisible_by_micro_batch(launched):
+    r, _ = launched["test_batch_not_divisible_by_micro_batch"].result()
     assert r.returncode == 2 and "trainer.batch_size=10" in r.stderr
 
 
@@ -247,27 +296,16 @@ def test_bad_string_settings_are_one_line(override, named):
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("override, named", [("trainer.batch_size=0", "trainer.batch_size=0 is out of range"),
-                                             ("trainer.batch_size=-16", "trainer.batch_size=-16 is out of range"),
-                                             ("optim.lr=-1", "optim.lr=-1.0 is out of range: valid is >= 0"),
-                                             ("model.n_layers=0", "model.n_layers=0 is out of range")])
-def test_bad_input_in_a_real_run_is_one_line_exit_2_and_writes_nothing(override, named, tmp_path):
-    run_dir = tmp_path / "run"
-    line = one_error_line(run_train([override, f"hydra.run.dir={run_dir}"]))
+@pytest.mark.parametrize("override, named", BAD_RUN_INPUT)
+def test_bad_input_in_a_real_run_is_one_line_exit_2_and_writes_nothing(override, named, launched):
+    r, run_dir = launched[f"test_bad_input_in_a_real_run_is_one_line_exit_2_and_writes_nothing[{override}]"].result()
+    line = one_error_line(r)
     assert line.startswith("error: ") and named in line, line
     assert not run_dir.exists()
 
 
-def test_config_error_under_torchrun_is_printed_by_rank_0_only(tmp_path):
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
-                        str(ROOT / "train.py"), "trainer.batch_size=0", f"hydra.run.dir={tmp_path / 'run'}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                                   "WANDB_MODE": "disabled"})
+def test_config_error_under_torchrun_is_printed_by_rank_0_only(launched):
+    r = launched["test_config_error_under_torchrun_is_printed_by_rank_0_only"].result()
     assert r.returncode != 0
     assert (r.stdout + r.stderr).count("error: trainer.batch_size=0 is out of range") == 1, r.stderr[-3000:]
 
@@ -313,11 +351,11 @@ def test_run_name_leaves_out_resume_and_stop_settings():
     assert run_name(["trainer.resume=auto", "+experiment=demo"], "demo") == "demo"
 
 
-def test_hydra_shell_completion_passes_the_pre_compose():
-    r = run_train(["-sc", "install=bash"])
+def test_hydra_shell_completion_passes_the_pre_compose(launched):
+    r = launched["test_hydra_shell_completion_passes_the_pre_compose[install]"].result()
     assert r.returncode == 0, r.stderr
     assert "hydra_bash_completion" in r.stdout
-    r = run_train(["-sc", "query=bash"], env={"COMP_LINE": "python train.py ffn="})  # what bash asks on <tab>
+    r = launched["test_hydra_shell_completion_passes_the_pre_compose[query]"].result()  # what bash asks on <tab>
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["ffn=srelu", "ffn=srelu24", "ffn=swiglu"]
 
@@ -351,11 +389,11 @@ def test_wandb_mode_follows_the_wandb_mode_variable(monkeypatch, env, mode):
     assert to_object(compose_config(["logging.wandb.mode=disabled"])).logging.wandb.mode.value == "disabled"
 
 
-def test_a_bad_wandb_mode_variable_is_one_line_naming_it():
-    line = one_error_line(run_train(["trainer.dry_run=true"], env={"WANDB_MODE": "loud"}))
+def test_a_bad_wandb_mode_variable_is_one_line_naming_it(launched):
+    line = one_error_line(launched["test_a_bad_wandb_mode_variable_is_one_line_naming_it[loud]"].result())
     assert line == ("error: WANDB_MODE=loud in the environment: valid values are online, offline, disabled (wandb's "
                     "dryrun and run mean offline and online), or set logging.wandb.mode")
-    r = run_train(["trainer.dry_run=true", "logging.wandb.mode=disabled"], env={"WANDB_MODE": "loud"})
+    r = launched["test_a_bad_wandb_mode_variable_is_one_line_naming_it[setting]"].result()
     assert r.returncode == 0, r.stderr
 
 

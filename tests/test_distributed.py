@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXPERIMENTS, ROOT, compose_config, run_train, tiny_overrides, with_cache
+from helpers import BASE_ENV, EXPERIMENTS, ROOT, background, compose_config, run_train, tiny_overrides, with_cache
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 def child_env(**extra) -> dict:
-    return {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0",
+    return {**BASE_ENV, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0",
             "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
 
 
@@ -118,20 +118,56 @@ def weights(path: Path) -> dict:
     return load_checkpoint(path)["model"]
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory, corpus, cache):
-    """The reference: one process (trainer.strategy=none), the same global batch."""
-    tmp = tmp_path_factory.mktemp("single")
+STRATEGIES = ["ddp", "fsdp"]
+BAD_VALUES = [("strategy", "[none, ddp, fsdp]"), ("activation_checkpointing", "[none, selective, full]")]
+
+
+@background
+def launches(ctx):
+    """The module's launches (helpers.background): the runs several tests compare, and the checks
+    of tests that only launch; each test waits for its own."""
+    corpus, cache = ctx.corpus, ctx.cache
+
+    def job(fn, name, *args):
+        tmp = ctx.tmp(name)
+        return lambda: fn(tmp, *args)
+
+    jobs = {"test_fsdp2_with_compiled_blocks_and_loss_head": job(check_fsdp2_with_compiled_blocks_and_loss_head,
+                                                                 "fsdp2"),
+            "single": job(single_run, "single", corpus, cache),
+            **{f"two[{strategy}]": job(two_runs, strategy, corpus, cache, strategy) for strategy in STRATEGIES},
+            "test_sigterm_to_one_rank_stops_both_at_the_same_step": job(
+                check_sigterm_to_one_rank_stops_both_at_the_same_step, "sigterm", corpus, cache),
+            **{f"test_bad_distributed_value_lists_valid_values[{key}]": (
+                lambda key=key, valid=valid: check_bad_distributed_value_lists_valid_values(key, valid))
+               for key, valid in BAD_VALUES}}
+    uses_two = ["test_two_processes_match_one_with_the_same_global_batch",
+                "test_stop_and_resume_across_two_processes_is_exact", "test_checkpoint_of_two_processes_resumes_in_one"]
+    needed_by = {"single": ["test_two_processes_match_one_with_the_same_global_batch",
+                            "test_checkpoint_of_two_processes_resumes_in_one", "test_slurm_tasks_without_torchrun"],
+                 **{f"two[{strategy}]": uses_two for strategy in STRATEGIES}}
+    return jobs, needed_by
+
+
+def single_run(tmp: Path, corpus: Path, cache: Path) -> Path:
     r = run_train(overrides(tmp, corpus, cache), timeout=LAUNCH_TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / "run"
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp"])
-def two(request, tmp_path_factory, corpus, cache):
+@pytest.fixture(scope="module")
+def single(launched):
+    """The reference: one process (trainer.strategy=none), the same global batch."""
+    return launched["single"].result()
+
+
+@pytest.fixture(scope="module", params=STRATEGIES)
+def two(request, launched):
     """One strategy, 2 processes: a straight run, and one stopped at step STOP then resumed."""
-    strategy = request.param
-    tmp = tmp_path_factory.mktemp(strategy)
+    return launched[f"two[{request.param}]"].result()
+
+
+def two_runs(tmp: Path, corpus: Path, cache: Path, strategy: str) -> dict:
     straight = tmp / "straight"
     torchrun(overrides(straight, corpus, cache, [f"trainer.strategy={strategy}"]), tmp / "straight.log")
     split = tmp / "split"
@@ -144,9 +180,13 @@ def two(request, tmp_path_factory, corpus, cache):
 
 # ---------------------------------------------------------------- 2 processes against 1
 
-def test_fsdp2_with_compiled_blocks_and_loss_head(tmp_path):
+def test_fsdp2_with_compiled_blocks_and_loss_head(launched):
     """trainer.compile under FSDP2: compiled blocks and loss head give the eager model's loss,
     with no recompiles from FSDP2's parameter swapping (tests/fsdp_compiled_model.py)."""
+    launched["test_fsdp2_with_compiled_blocks_and_loss_head"].result()
+
+
+def check_fsdp2_with_compiled_blocks_and_loss_head(tmp_path):
     out = wait(start_torchrun([], tmp_path / "log", script=ROOT / "tests" / "fsdp_compiled_model.py"), tmp_path / "log")
     assert "rank 0: 4 passes equal to eager, 0 recompiles" in out
     assert "rank 1: 4 passes equal to eager, 0 recompiles" in out
@@ -203,8 +243,12 @@ def test_checkpoint_of_two_processes_resumes_in_one(tmp_path, corpus, cache, two
 
 # ---------------------------------------------------------------- stop signals and SLURM
 
-def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path, corpus, cache):
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(launched):
     """Only rank 1 gets the signal: the ranks agree at the next step, both checkpoint and exit 0."""
+    launched["test_sigterm_to_one_rank_stops_both_at_the_same_step"].result()
+
+
+def check_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path, corpus, cache):
     args = overrides(tmp_path, corpus, cache, ["trainer.strategy=ddp", "trainer.max_steps=2000",
                                                "trainer.eval_every=1000", "trainer.ckpt_every=1000"])
     log = tmp_path / "signal.log"
@@ -305,9 +349,12 @@ def test_every_experiment_composes_with_fsdp_and_the_slurm_launcher(experiment):
     assert t.strategy == Strategy.fsdp and t.activation_checkpointing == ActivationCheckpointing.selective
 
 
-@pytest.mark.parametrize("key,valid", [("strategy", "[none, ddp, fsdp]"),
-                                       ("activation_checkpointing", "[none, selective, full]")])
-def test_bad_distributed_value_lists_valid_values(key, valid):
+@pytest.mark.parametrize("key,valid", BAD_VALUES)
+def test_bad_distributed_value_lists_valid_values(launched, key, valid):
+    launched[f"test_bad_distributed_value_lists_valid_values[{key}]"].result()
+
+
+def check_bad_distributed_value_lists_valid_values(key, valid):
     r = run_train([f"trainer.{key}=zero3", "trainer.dry_run=true"])
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from data.tokenizer import EOT, load_tokenizer
-from helpers import ROOT, run_train, tiny_overrides, write_corpus
+from helpers import BASE_ENV, ROOT, background, prepare_shared_cache, run_train, tiny_overrides, write_corpus
 from model import FFNConfig, ModelConfig, Transformer
 from model.ffn import SReLU24
 from training.checkpoint import load_checkpoint, model_shape, save_checkpoint
@@ -47,16 +47,6 @@ def script_main(argv):
 # ---------------------------------------------------------------- real tiny runs, one per FFN kind
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"), n_files=20)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("shared")
-
-
 def train_run(tmp: Path, corpus: Path, cache: Path, extra: list[str]) -> Path:
     args = [a if not a.startswith("data.cache_dir=") else f"data.cache_dir={cache}" for a in tiny_overrides(tmp, corpus)]
     r = run_train(args + ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.ckpt_every=4", *extra])
@@ -66,25 +56,42 @@ def train_run(tmp: Path, corpus: Path, cache: Path, extra: list[str]) -> Path:
     return ckpts[-1]
 
 
-@pytest.fixture(scope="module")
-def swiglu_ckpt(tmp_path_factory, corpus, cache):
-    # GQA and non-default RoPE theta / norm eps, so that their mapping onto LlamaConfig is tested
-    return train_run(tmp_path_factory.mktemp("swiglu"), corpus, cache,
-                     ["ffn=swiglu", "model.n_kv_heads=1", "model.rope_theta=5000.0", "model.norm_eps=1e-6"])
+@background
+def launches(ctx):
+    """The runs and the command-line export (helpers.background), on a corpus of 20 files and a
+    shard cache prepared before they start."""
+    corpus = write_corpus(ctx.tmp("corpus"), n_files=20)
+    cache = prepare_shared_cache(ctx.factory, corpus)
+    swiglu, srelu24, out = (ctx.tmp(name) for name in ("swiglu", "srelu24", "exports"))
+    jobs = {  # GQA and non-default RoPE theta / norm eps, so that their mapping onto LlamaConfig is tested
+        "swiglu_ckpt": lambda: train_run(swiglu, corpus, cache, ["ffn=swiglu", "model.n_kv_heads=1",
+                                                                 "model.rope_theta=5000.0", "model.norm_eps=1e-6"]),
+        "srelu24_ckpt": lambda: train_run(srelu24, corpus, cache,  # GQA as for swiglu
+                                          ["ffn=srelu24", "ffn.hidden_dim=128", "ffn.dense_warmup_steps=2",
+                                           "model.n_kv_heads=1"]),
+        "swiglu_export": lambda: export_swiglu(out / "swiglu", ctx.futures["swiglu_ckpt"].result())}
+    return jobs, {"swiglu_ckpt": ["swiglu_export"]}  # the fixtures of these names read them
 
 
 @pytest.fixture(scope="module")
-def srelu24_ckpt(tmp_path_factory, corpus, cache):
-    return train_run(tmp_path_factory.mktemp("srelu24"), corpus, cache,  # GQA as for swiglu
-                     ["ffn=srelu24", "ffn.hidden_dim=128", "ffn.dense_warmup_steps=2", "model.n_kv_heads=1"])
+def swiglu_ckpt(launched):
+    return launched["swiglu_ckpt"].result()
 
 
 @pytest.fixture(scope="module")
-def swiglu_export(tmp_path_factory, swiglu_ckpt):
+def srelu24_ckpt(launched):
+    return launched["srelu24_ckpt"].result()
+
+
+@pytest.fixture(scope="module")
+def swiglu_export(launched):
+    return launched["swiglu_export"].result()
+
+
+def export_swiglu(out: Path, swiglu_ckpt: Path) -> Path:
     """The swiglu export through the real command line, in a subprocess."""
-    out = tmp_path_factory.mktemp("exports") / "swiglu"
     r = subprocess.run([sys.executable, str(SCRIPT), str(swiglu_ckpt), str(out)], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, env=BASE_ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "LlamaForCausalLM" in r.stdout and "warning" not in r.stderr
     return out

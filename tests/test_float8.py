@@ -13,8 +13,8 @@ import torch.nn as nn
 import triton
 
 import srelu24_kernels.float8.gemm as fp8
-from helpers import (EXPERIMENTS, ROOT, compose_config, forward_args, kernel_ffn, run_train, tiny_overrides, to_object,
-                     with_cache)
+from helpers import (BASE_ENV, EXPERIMENTS, ROOT, background, compose_config, forward_args, kernel_ffn, run_train,
+                     tiny_overrides, to_object, with_cache)
 from model import FFNConfig, ModelConfig, Transformer
 from training import float8
 from training.config import Float8, OptimConfig, Strategy, TrainerConfig
@@ -23,6 +23,20 @@ from training.errors import ConfigError
 
 RECIPES = [Float8.tensorwise, Float8.rowwise]
 TINY = ModelConfig(name="t", dim=64, n_layers=2, n_heads=2, swiglu_hidden=128, max_seq_len=64)
+
+
+@background
+def launches(ctx):
+    """The launches of the module's command-line and multi-process tests (helpers.background), run
+    while the in-process tests run; each test waits for its own."""
+    tmp, corpus, cache = ctx.tmp("cpu_float8"), ctx.corpus, ctx.cache
+    jobs = {"test_fsdp_float8_all_gather_on_two_processes": lambda: run_fsdp_model(2),  # CPU, gloo
+            "test_train_on_the_cpu_with_float8_exits_2_with_one_line":
+                lambda: check_train_on_the_cpu_with_float8_exits_2_with_one_line(tmp, corpus, cache),
+            "test_none_converts_nothing_and_imports_no_torchao": check_none_converts_nothing_and_imports_no_torchao,
+            "test_float8_is_off_by_default_and_a_bad_value_lists_the_valid_ones":
+                lambda: run_train(["trainer.float8=e4m3", "trainer.dry_run=true"])}
+    return jobs
 
 
 def meta_model(kind: str, cfg: ModelConfig = TINY, vocab: int = 96, float8: str = "none") -> Transformer:
@@ -98,14 +112,18 @@ def test_linears_with_a_dim_not_divisible_by_16_stay_bf16():
     assert not float8.converts(nn.Linear(32, 48), "output")
 
 
-def test_none_converts_nothing_and_imports_no_torchao():
+def test_none_converts_nothing_and_imports_no_torchao(launched):
+    launched["test_none_converts_nothing_and_imports_no_torchao"].result()
+
+
+def check_none_converts_nothing_and_imports_no_torchao():
     code = ("import sys, torch; from training import float8; from training.config import Float8; "
             "from model import FFNConfig, ModelConfig, Transformer; "
             "m = Transformer(ModelConfig(dim=64, n_layers=1, n_heads=2), FFNConfig(kind='srelu24'), 96); "
             "float8.convert(m, Float8.none, fsdp=True); float8.float8_after_optimizer_step(m); "
             "assert all(type(x) is torch.nn.Linear for x in m.modules() if isinstance(x, torch.nn.Linear)); "
             "assert m.layers[0].feed_forward.float8 == 'none'; assert 'torchao' not in sys.modules; print('ok')")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=BASE_ENV, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
@@ -195,7 +213,7 @@ def run_fsdp_model(nproc: int, *args: str) -> None:
     scales precomputed after each step, against the unsharded model."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(ROOT / "tests" / "float8_fsdp_model.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    env = {**BASE_ENV, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
@@ -204,8 +222,8 @@ def run_fsdp_model(nproc: int, *args: str) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_float8_all_gather_on_two_processes():
-    run_fsdp_model(2)  # CPU, gloo
+def test_fsdp_float8_all_gather_on_two_processes(launched):
+    launched["test_fsdp_float8_all_gather_on_two_processes"].result()  # run_fsdp_model(2): CPU, gloo
 
 
 @pytest.mark.gpu
@@ -408,9 +426,9 @@ def test_every_experiment_composes_with_each_recipe(experiment, recipe):
     assert cfg.trainer.float8 == Float8(recipe)
 
 
-def test_float8_is_off_by_default_and_a_bad_value_lists_the_valid_ones():
+def test_float8_is_off_by_default_and_a_bad_value_lists_the_valid_ones(launched):
     assert to_object(compose_config([])).trainer.float8 == Float8.none
-    r = run_train(["trainer.float8=e4m3", "trainer.dry_run=true"])
+    r = launched["test_float8_is_off_by_default_and_a_bad_value_lists_the_valid_ones"].result()
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "trainer.float8" in lines[0], r.stderr
@@ -437,7 +455,11 @@ def test_float8_before_sm89_is_a_config_error(monkeypatch):
                 float8.check(Float8.rowwise, torch.device("cuda", 0))
 
 
-def test_train_on_the_cpu_with_float8_exits_2_with_one_line(tmp_path, corpus, cache):
+def test_train_on_the_cpu_with_float8_exits_2_with_one_line(launched):
+    launched["test_train_on_the_cpu_with_float8_exits_2_with_one_line"].result()
+
+
+def check_train_on_the_cpu_with_float8_exits_2_with_one_line(tmp_path, corpus, cache):
     r = run_train(with_cache(tiny_overrides(tmp_path, corpus, ["trainer.float8=tensorwise", "trainer.device=cpu"]),
                              cache))
     assert r.returncode == 2, r.stderr

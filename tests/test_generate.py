@@ -5,11 +5,13 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import ROOT, run_train, tiny_overrides, write_corpus
+from helpers import BASE_ENV, ROOT, background, run_train, tiny_overrides, write_corpus
 from model import FFNConfig, ModelConfig, Transformer
 from model.generate import generate, sample_next
 
@@ -168,14 +170,23 @@ def test_generate_restores_training_mode():
 
 # ---------------------------------------------------------------- scripts/sample.py
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def train_run(tmp: Path) -> Path:
     """A real 8-step srelu24 run: checkpoints at step 4 (dense warmup) and 8 (2:4 on)."""
-    tmp = tmp_path_factory.mktemp("gen")
     corpus = write_corpus(tmp / "corpus", n_files=20)
     r = run_train(tiny_overrides(tmp, corpus, ["ffn=srelu24", "ffn.dense_warmup_steps=6", "ffn.hidden_dim=128"]))
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / "run"
+
+
+@background
+def launches(ctx):
+    """The run and the command-line checks (helpers.background), run while the in-process tests
+    run; the checks that sample the run wait for it."""
+    tmp, errors = ctx.tmp("gen"), ctx.tmp("errors")
+    jobs = {"run": lambda: train_run(tmp),
+            "test_sample_cli_errors": lambda: check_sample_cli_errors(ctx.futures["run"], errors),
+            "test_sample_cli": lambda: check_sample_cli(ctx.futures["run"].result())}
+    return jobs, {"run": ["test_sample_cli", "test_sample_cli_errors"]}
 
 
 def tokenizer_of(run_dir):
@@ -183,13 +194,17 @@ def tokenizer_of(run_dir):
 
 
 def sample(*args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**BASE_ENV, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "sample.py"), *map(str, args)],
                           capture_output=True, text=True, timeout=120, env=env)
 
 
 @pytest.mark.slow
-def test_sample_cli(run_dir):
+def test_sample_cli(launched):
+    launched["test_sample_cli"].result()
+
+
+def check_sample_cli(run_dir):
     ckpts = run_dir / "checkpoints"
     prompt = "def function_3_4(value"
     r = sample(ckpts / "step_00000008", prompt, "--temperature", 0, "--max-new-tokens", 24)
@@ -205,10 +220,15 @@ def test_sample_cli(run_dir):
 
 
 @pytest.mark.slow
-def test_sample_cli_errors(run_dir, tmp_path):
-    r = sample(tmp_path / "nope.pt", "x")
+def test_sample_cli_errors(launched):
+    launched["test_sample_cli_errors"].result()
+
+
+def check_sample_cli_errors(run: Future, tmp_path):
+    r = sample(tmp_path / "nope.pt", "x")  # before the run is done
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: checkpoint") and "nope.pt" in r.stderr
+    run_dir = run.result()
     r = sample(run_dir / "checkpoints" / "step_00000008", "x", "--tokenizer", tmp_path / "tok.json")
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:") and "tok.json" in r.stderr

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from helpers import ROOT, run_train
+from helpers import ROOT, background, run_train
 
 CONFIGS = ROOT / "configs"
 
@@ -21,9 +21,15 @@ def section(text: str, title: str) -> list[str]:
     return m.group(1).splitlines()
 
 
+@background
+def launches(ctx):
+    """`train.py --help`, launched with the session (helpers.background)."""
+    return {"help_text": lambda: run_train(["--help"], timeout=120)}
+
+
 @pytest.fixture(scope="module")
-def help_text():
-    r = run_train(["--help"], timeout=120)
+def help_text(launched):
+    r = launched["help_text"].result()
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import run_train
+from helpers import background, run_train
 from model import FFNConfig, ModelConfig, ffn_hidden_dim
 from training.config import ActivationCheckpointing, Strategy, TrainerConfig
 from training.checkpoint import checkpoint_bytes
@@ -87,9 +87,16 @@ def test_checkpoint_bytes_are_weights_and_adamw():
     assert 0 <= size - 3 * e.parts["parameters (fp32)"] < 1e6
 
 
-def test_dry_run_prints_the_memory_estimate():
-    r = run_train(["+experiment=sparse_1b", "trainer.dry_run=true", "trainer.strategy=fsdp",
-                   "trainer.activation_checkpointing=full"], timeout=120)
+@background
+def launches(ctx):
+    """The dry run, launched with the session (helpers.background)."""
+    return {"test_dry_run_prints_the_memory_estimate": lambda: run_train(
+        ["+experiment=sparse_1b", "trainer.dry_run=true", "trainer.strategy=fsdp",
+         "trainer.activation_checkpointing=full"], timeout=120)}
+
+
+def test_dry_run_prints_the_memory_estimate(launched):
+    r = launched["test_dry_run_prints_the_memory_estimate"].result()
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     assert "1 GPU(s), strategy fsdp, activation checkpointing full, micro-batch 8 x 2048" in out

@@ -13,13 +13,25 @@ import pytest
 import torch
 
 import training.checkpoint as ck
-from helpers import ROOT, compose_config, run_train, tiny_overrides, to_config, to_object
+from helpers import ROOT, background, compose_config, run_train, tiny_overrides, to_config, to_object
 from training.distributed import Dist
 from training.errors import ConfigError
 from training.memory import GiB, estimate, run_peak
 from training.preflight import H200_FREE_GIB, MARGIN, Capacity, check_memory, device_capacity, judge
 
 ONE_H200 = Capacity(int(H200_FREE_GIB * GiB), "of one H200", gpu=True)
+
+
+@background
+def launches(ctx):
+    """The two command-line checks (helpers.background), run while the in-process tests run; each
+    test waits for its own."""
+    dry, fast = ctx.tmp("dry_run"), ctx.tmp("fast")
+    jobs = {"test_the_literal_sparse_7b_dry_run_prints_the_estimate_and_what_fits_one_h200":
+            lambda: check_the_literal_sparse_7b_dry_run_prints_the_estimate_and_what_fits_one_h200(dry),
+            "test_a_7b_model_on_a_24_gib_cpu_exits_2_with_one_line_fast":
+            lambda: check_a_7b_model_on_a_24_gib_cpu_exits_2_with_one_line_fast(fast)}
+    return jobs
 
 
 def tiny(tmp: Path, extra=()):
@@ -94,7 +106,11 @@ def test_sparse_7b_does_not_fit_one_h200_and_the_first_setting_offered_is_the_re
     assert disk.split(" free")[0] in readme  # e.g. "162 GB"
 
 
-def test_the_literal_sparse_7b_dry_run_prints_the_estimate_and_what_fits_one_h200(tmp_path):
+def test_the_literal_sparse_7b_dry_run_prints_the_estimate_and_what_fits_one_h200(launched):
+    launched["test_the_literal_sparse_7b_dry_run_prints_the_estimate_and_what_fits_one_h200"].result()
+
+
+def check_the_literal_sparse_7b_dry_run_prints_the_estimate_and_what_fits_one_h200(tmp_path):
     r = run_train(["+experiment=sparse_7b", "trainer.dry_run=true", f"hydra.run.dir={tmp_path}"],
                   env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -178,9 +194,13 @@ def test_the_estimate_on_the_cpu_is_of_fp32(tmp_path):
         estimate(cfg.model, cfg.ffn, V, cfg.trainer, bf16=True).peak
 
 
-def test_a_7b_model_on_a_24_gib_cpu_exits_2_with_one_line_fast(tmp_path):
+def test_a_7b_model_on_a_24_gib_cpu_exits_2_with_one_line_fast(launched):
     """`python train.py +experiment=demo model=7b` on a 24 GiB machine (the capacity set, so that a
     larger machine running this test behaves the same)."""
+    launched["test_a_7b_model_on_a_24_gib_cpu_exits_2_with_one_line_fast"].result()
+
+
+def check_a_7b_model_on_a_24_gib_cpu_exits_2_with_one_line_fast(tmp_path):
     t0 = time.monotonic()
     r = run_train(["+experiment=demo", "model=7b", "trainer.memory_capacity_gib=24", f"hydra.run.dir={tmp_path / 'run'}"],
                   timeout=120)

@@ -9,10 +9,12 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import BASE_ENV, ROOT, background
 
+# 2 micro-batches (several: .grad added into in place, the step state kept) of 4 x 32 tokens
 ARGS = ["+experiment=demo", "--device", "cpu", "--no-compile", "--layers", "1", "--steps", "1", "--warmup", "1",
-        "--ffns", "srelu24", "logging.wandb.mode=disabled"]
+        "--accum", "2", "--ffns", "srelu24", "logging.wandb.mode=disabled", "trainer.seq_len=32",
+        "trainer.micro_batch_size=4"]
 WRONG_ORDERS = """
 import sys
 sys.path[:0] = [{lab!r}]
@@ -29,10 +31,27 @@ def check(out):
     return row["check"]
 
 
-def test_replayed_step_gives_the_eager_gradients_and_the_check_can_fail(tmp_path):
-    out = tmp_path / "ok.json"
-    r = subprocess.run([sys.executable, str(ROOT / "lab" / "probe_cuda_graph_step.py"), *ARGS, "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+@background
+def launches(ctx):
+    """The two probes, the real one and one with the token orders rolled, launched with the session
+    (helpers.background): (result, its JSON)."""
+    tmp = ctx.tmp("probe")
+    out, bad = tmp / "ok.json", tmp / "bad.json"
+    code = WRONG_ORDERS.format(lab=str(ROOT / "lab"), args=[*ARGS, "--out", str(bad)])
+
+    def probe(cmd: list[str], json_out):
+        return lambda: (subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=BASE_ENV),
+                        json_out)
+
+    name = "test_replayed_step_gives_the_eager_gradients_and_the_check_can_fail"
+    return {f"{name}[ok]": probe([sys.executable, str(ROOT / "lab" / "probe_cuda_graph_step.py"), *ARGS, "--out",
+                                  str(out)], out),
+            f"{name}[bad]": probe([sys.executable, "-c", code], bad)}
+
+
+def test_replayed_step_gives_the_eager_gradients_and_the_check_can_fail(launched):
+    name = "test_replayed_step_gives_the_eager_gradients_and_the_check_can_fail"
+    r, out = launched[f"{name}[ok]"].result()
     assert r.returncode == 0, r.stderr[-2000:]
     c = check(out)
     assert c["eager_vs_graph"]["params"] > 0 and c["eager_vs_graph"]["differ"] == 0
@@ -40,9 +59,7 @@ def test_replayed_step_gives_the_eager_gradients_and_the_check_can_fail(tmp_path
     assert c["loss_graph"] == c["loss_eager"] == c["loss_eager_again"]
     assert c["loss_graph_updated"] == c["loss_eager_updated"] != c["loss_eager"]  # the weights moved in between
     assert "| srelu24 |" in r.stdout
-    bad = tmp_path / "bad.json"
-    code = WRONG_ORDERS.format(lab=str(ROOT / "lab"), args=[*ARGS, "--out", str(bad)])
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r, bad = launched[f"{name}[bad]"].result()
     assert r.returncode == 0, r.stderr[-2000:]
     c = check(bad)
     assert c["eager_vs_eager"]["differ"] == 0 and c["eager_vs_graph"]["differ"] > 0 and c["verdict"] == "differs"

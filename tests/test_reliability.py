@@ -15,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+from concurrent.futures import Future
+
 import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, compose_config, run_train, tiny_overrides, with_cache
+from helpers import BASE_ENV, ROOT, background, compose_config, run_train, tiny_overrides, with_cache
 from wandb_records import records, run_info
 
 pytestmark = pytest.mark.slow
@@ -75,7 +77,7 @@ def temp_files(d: Path) -> list[str]:
 
 
 def popen_train(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    env = {**BASE_ENV, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
     with open(log, "w") as out:  # the child keeps its own descriptor
         return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
@@ -124,18 +126,63 @@ KILL_EXTRA = [f"trainer.max_steps={KILL_STEPS}", "trainer.ckpt_every=1", "traine
               "trainer.log_every=1", "trainer.eval_every=10"]
 
 
-def straight_run(tmp_path_factory, name: str, corpus: Path, cache: Path, extra: list[str]) -> Path:
+def straight_run(tmp: Path, corpus: Path, cache: Path, extra: list[str]) -> Path:
     """An uninterrupted run, the reference an interrupted one is compared with."""
-    tmp = tmp_path_factory.mktemp(name)
     r = run_train(overrides(tmp, corpus, cache, extra))
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / "run"
 
 
+SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1}
+
+
+@background
+def launches(ctx):
+    """The module's subprocess work (helpers.background): the reference runs several tests read,
+    and the checks of the tests that only launch train.py; each test waits for its own. The longest
+    first; a check waits for its reference run only to compare."""
+    corpus, cache = ctx.corpus, ctx.cache
+
+    def job(check, name, *args):
+        tmp = ctx.tmp(name)
+        return lambda: check(tmp, corpus, cache, *args)
+
+    def after(check, name, ref, *args):  # a check that compares with the reference run `ref`
+        tmp = ctx.tmp(name)
+        return lambda: check(tmp, corpus, cache, ctx.futures[ref], *args)
+
+    jobs = {
+        "straight_kill": job(straight_run, "straight", KILL_EXTRA),
+        "test_kill_9_at_random_moments_resumes_exactly": after(check_kill_9_at_random_moments_resumes_exactly, "kill",
+                                                               "straight_kill"),
+        "straight_signal": job(straight_run, "straight_signal", SIGNAL_EXTRA),
+        **{f"test_preemption_signal_checkpoints_and_resumes[{name}]": after(check_preemption_signal, "signal",
+                                                                            "straight_signal", sig)
+           for name, sig in SIGNALS.items()},
+        "test_half_written_and_damaged_checkpoints_are_skipped": job(
+            check_half_written_and_damaged_checkpoints_are_skipped, "damaged"),
+        "test_wandb_keeps_the_training_step_and_the_name_after_a_resume": job(
+            check_wandb_keeps_the_training_step_and_the_name_after_a_resume, "wandb"),
+        "stopped_srelu24": job(stopped_run, "stopped"),
+        "test_resume_overrides_allow_the_listed_change": after(check_resume_overrides_allow_the_listed_change,
+                                                               "overrides", "stopped_srelu24"),
+        "test_token_id_past_vocabulary_names_the_shard": job(check_token_id_past_vocabulary_names_the_shard, "token"),
+        "test_checkpoints_that_cannot_fit_stop_the_run_before_training": job(
+            check_checkpoints_that_cannot_fit_stop_the_run_before_training, "space"),
+    }
+    needed_by = {"straight_kill": ["test_kill_9_at_random_moments_resumes_exactly",
+                                   "test_keep_last_keeps_the_newest_complete_checkpoints",
+                                   "test_resuming_a_finished_run_says_it_is_complete_and_changes_nothing"],
+                 "straight_signal": ["test_preemption_signal_checkpoints_and_resumes"],
+                 "stopped_srelu24": ["test_resume_that_would_change_the_schedule_or_ffn_stops",
+                                     "test_resume_overrides_allow_the_listed_change"]}
+    return jobs, needed_by
+
+
 @pytest.fixture(scope="module")
-def straight_kill_run(tmp_path_factory, corpus, cache):
+def straight_kill_run(launched):
     """The uninterrupted reference for the kill -9 test (also the keep_last test's run)."""
-    return straight_run(tmp_path_factory, "straight", corpus, cache, KILL_EXTRA)
+    return launched["straight_kill"].result()
 
 
 def _kill_when(p: subprocess.Popen, run_dir: Path, mode: str, rng: random.Random, deadline: float) -> None:
@@ -161,10 +208,14 @@ def _kill_when(p: subprocess.Popen, run_dir: Path, mode: str, rng: random.Random
     time.sleep(rng.choice([0.0, 0.0, rng.uniform(0.0, 0.01)]))
 
 
-def test_kill_9_at_random_moments_resumes_exactly(tmp_path, corpus, cache, straight_kill_run):
+def test_kill_9_at_random_moments_resumes_exactly(launched):
     """>= 20 SIGKILLs during start-up, training and checkpoint writes (synchronous and
     asynchronous ones); restart with trainer.resume=auto until done: final weights and every
     step's loss equal a straight run's."""
+    launched["test_kill_9_at_random_moments_resumes_exactly"].result()
+
+
+def check_kill_9_at_random_moments_resumes_exactly(tmp_path, corpus, cache, straight: Future):
     rng = random.Random(1234)
     args = overrides(tmp_path, corpus, cache, KILL_EXTRA + ["trainer.resume=auto"])
     run_dir = tmp_path / "run"
@@ -200,6 +251,7 @@ def test_kill_9_at_random_moments_resumes_exactly(tmp_path, corpus, cache, strai
     assert "resumed from" in "".join(p.read_text() for p in tmp_path.glob("attempt_*.log"))
     final = ckpt(run_dir, KILL_STEPS)
     assert final.is_dir()
+    straight_kill_run = straight.result()
     assert_same_weights(final, ckpt(straight_kill_run, KILL_STEPS))
     mine, ref = losses(run_dir), losses(straight_kill_run)
     assert sorted(mine) == list(range(1, KILL_STEPS + 1))
@@ -221,7 +273,11 @@ def test_kill_9_at_random_moments_resumes_exactly(tmp_path, corpus, cache, strai
 
 # ---------------------------------------------------------------- 2. crash mid-write, damaged files
 
-def test_half_written_and_damaged_checkpoints_are_skipped(tmp_path, corpus, cache):
+def test_half_written_and_damaged_checkpoints_are_skipped(launched):
+    launched["test_half_written_and_damaged_checkpoints_are_skipped"].result()
+
+
+def check_half_written_and_damaged_checkpoints_are_skipped(tmp_path, corpus, cache):
     extra = ["trainer.max_steps=8", "trainer.ckpt_every=2", "trainer.keep_last=0"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     r = run_train(overrides(straight, corpus, cache, extra))
@@ -277,13 +333,12 @@ SIGNAL_EXTRA = [f"trainer.max_steps={SIGNAL_STEPS}", "trainer.ckpt_every=1000", 
                 "trainer.log_every=1"]
 
 
-@pytest.fixture(scope="module")
-def straight_signal_run(tmp_path_factory, corpus, cache):
-    return straight_run(tmp_path_factory, "straight_signal", corpus, cache, SIGNAL_EXTRA)
+@pytest.mark.parametrize("sig", list(SIGNALS))
+def test_preemption_signal_checkpoints_and_resumes(launched, sig):
+    launched[f"test_preemption_signal_checkpoints_and_resumes[{sig}]"].result()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_preemption_signal_checkpoints_and_resumes(tmp_path, corpus, cache, straight_signal_run, sig):
+def check_preemption_signal(tmp_path, corpus, cache, straight: Future, sig):
     args = overrides(tmp_path, corpus, cache, SIGNAL_EXTRA)
     run = tmp_path / "run"
     log = tmp_path / "signalled.log"
@@ -308,6 +363,7 @@ def test_preemption_signal_checkpoints_and_resumes(tmp_path, corpus, cache, stra
     r = run_train(args + ["trainer.resume=auto"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"at step {stopped}" in r.stdout
+    straight_signal_run = straight.result()
     assert_same_weights(ckpt(run, SIGNAL_STEPS), ckpt(straight_signal_run, SIGNAL_STEPS))
     assert losses(run) == losses(straight_signal_run)
 
@@ -542,7 +598,11 @@ def test_resuming_a_finished_run_says_it_is_complete_and_changes_nothing(straigh
 
 # ---------------------------------------------------------------- 7. corrupted shard
 
-def test_token_id_past_vocabulary_names_the_shard(tmp_path, corpus, cache):
+def test_token_id_past_vocabulary_names_the_shard(launched):
+    launched["test_token_id_past_vocabulary_names_the_shard"].result()
+
+
+def check_token_id_past_vocabulary_names_the_shard(tmp_path, corpus, cache):
     mine = tmp_path / "cache"
     shutil.copytree(cache, mine)
     shard_dir = next(p.parent for p in mine.glob("*/manifest.json"))
@@ -601,13 +661,16 @@ GUARD_EXTRA = ["ffn=srelu24", "ffn.hidden_dim=128", "ffn.dense_warmup_steps=2", 
                "trainer.ckpt_every=100"]
 
 
-@pytest.fixture(scope="module")
-def stopped_srelu24(tmp_path_factory, corpus, cache):
+def stopped_run(tmp: Path, corpus: Path, cache: Path) -> Path:
     """An srelu24 run of 8 steps stopped (with a checkpoint) at step 4."""
-    tmp = tmp_path_factory.mktemp("stopped")
     r = run_train(overrides(tmp, corpus, cache, GUARD_EXTRA + ["trainer.stop_at_step=4"]))
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp
+
+
+@pytest.fixture(scope="module")
+def stopped_srelu24(launched):
+    return launched["stopped_srelu24"].result()
 
 
 @pytest.mark.parametrize("change, named", [
@@ -633,7 +696,12 @@ def test_resume_that_would_change_the_schedule_or_ffn_stops(tmp_path, corpus, ca
     assert snapshot(run / "checkpoints") == before
 
 
-def test_resume_overrides_allow_the_listed_change(tmp_path, corpus, cache, stopped_srelu24):
+def test_resume_overrides_allow_the_listed_change(launched):
+    launched["test_resume_overrides_allow_the_listed_change"].result()
+
+
+def check_resume_overrides_allow_the_listed_change(tmp_path, corpus, cache, stopped: Future):
+    stopped_srelu24 = stopped.result()
     run = tmp_path / "run"
     shutil.copytree(stopped_srelu24 / "run", run)
     line = one_error_line(run_train(overrides(tmp_path, corpus, cache, GUARD_EXTRA[:-2] + [
@@ -665,7 +733,11 @@ def wandb_steps(path: Path) -> list[int]:
     return steps
 
 
-def test_wandb_keeps_the_training_step_and_the_name_after_a_resume(tmp_path, corpus, cache):
+def test_wandb_keeps_the_training_step_and_the_name_after_a_resume(launched):
+    launched["test_wandb_keeps_the_training_step_and_the_name_after_a_resume"].result()
+
+
+def check_wandb_keeps_the_training_step_and_the_name_after_a_resume(tmp_path, corpus, cache):
     args = [a for a in overrides(tmp_path, corpus, cache, ["trainer.max_steps=8", "trainer.ckpt_every=100"])
             if not a.startswith("logging.wandb.mode=")] + ["logging.wandb.mode=offline"]
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -683,8 +755,12 @@ def test_wandb_keeps_the_training_step_and_the_name_after_a_resume(tmp_path, cor
 
 # ---------------------------------------------------------------- 11. free space before training
 
-def test_checkpoints_that_cannot_fit_stop_the_run_before_training(tmp_path, corpus, cache):
+def test_checkpoints_that_cannot_fit_stop_the_run_before_training(launched):
     """keep_last=0 (keep all) with a save every step of a billion steps: petabytes."""
+    launched["test_checkpoints_that_cannot_fit_stop_the_run_before_training"].result()
+
+
+def check_checkpoints_that_cannot_fit_stop_the_run_before_training(tmp_path, corpus, cache):
     line = one_error_line(run_train(overrides(tmp_path, corpus, cache, [
         "trainer.max_steps=1000000000", "trainer.ckpt_every=1", "trainer.keep_last=0"])))
     assert line.startswith("error: not enough disk space for checkpoints in ") and "GB needed" in line

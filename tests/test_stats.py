@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import run_train, tiny_overrides, write_corpus
+from helpers import background, run_train, tiny_overrides, write_corpus
 from model import FFN_REGISTRY, FFNConfig, ModelConfig, Transformer
 from srelu24_kernels.srelu24.reference import mask_2to4
 from srelu24_kernels.ffn_stats import (DENSE_FEATURE_DENSITY, N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, derive,
@@ -98,14 +98,25 @@ def test_no_mfu_on_cpu_and_peak_table():
     assert out["step_time_s"] * 3 == pytest.approx(3000 / out["tokens_per_s"])
 
 
-@pytest.mark.slow
-def test_offline_wandb_run_has_per_layer_keys(tmp_path):
-    from wandb_records import history_keys, run_info
-
+def offline_run(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     args = [a for a in tiny_overrides(tmp_path, corpus) if not a.startswith("logging.wandb.mode")]
-    r = run_train(args + ["ffn=srelu24", "ffn.hidden_dim=128", "ffn.dense_warmup_steps=3", "logging.wandb.mode=offline",
-                          "name=statstest"], env={"WANDB_MODE": "offline"})
+    return run_train(args + ["ffn=srelu24", "ffn.hidden_dim=128", "ffn.dense_warmup_steps=3", "logging.wandb.mode=offline",
+                             "name=statstest"], env={"WANDB_MODE": "offline"}), tmp_path
+
+
+@background
+def launches(ctx):
+    """The wandb run, launched with the session (helpers.background)."""
+    tmp = ctx.tmp("wandb")
+    return {"test_offline_wandb_run_has_per_layer_keys": lambda: offline_run(tmp)}
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_has_per_layer_keys(launched):
+    from wandb_records import history_keys, run_info
+
+    r, tmp_path = launched["test_offline_wandb_run_has_per_layer_keys"].result()
     assert r.returncode == 0, r.stderr[-3000:]
     run_dir = tmp_path / "run"
     files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))

@@ -119,7 +119,7 @@ def test_the_step_state_gives_autograds_steps_on_the_cpu(monkeypatch, keep, in_p
     GEMMs through the kept conversions)."""
     _cpu_kernel_path(monkeypatch, "rowwise", keep)
     torch.manual_seed(2)
-    T, d, F_ = 64, 64, 128
+    T, d, F_ = 64, 64, 64
     w1, w2 = torch.randn(F_, d) * d ** -0.5, torch.randn(d, F_) * F_ ** -0.5
     batches = _batches(T, d, "cpu")
     calls, real = [], fp8_gemm.b_operand
@@ -138,7 +138,7 @@ def test_with_gradients_in_place_the_op_adds_into_the_buffers_of_the_step(monkey
     from model.ffn import srelu24_step
 
     _cpu_kernel_path(monkeypatch, "rowwise", False)
-    w1, w2 = torch.randn(128, 64) / 8, torch.randn(64, 128) / 11
+    w1, w2 = torch.randn(64, 64) / 8, torch.randn(64, 64) / 8
     m, ref = _module(w1, w2, "rowwise", "cpu"), _module(w1, w2, "rowwise", "cpu")
     batches = _batches(64, 64, "cpu", n=2)
     with srelu24_step(m, keep_conversions=False, grads_in_place=True):
@@ -156,7 +156,7 @@ def test_no_state_outside_e4m3_mode_or_the_2to4_phase(monkeypatch):
     from model.ffn import srelu24_step
 
     _cpu_kernel_path(monkeypatch, "rowwise", True)
-    w1, w2 = torch.randn(128, 64) / 8, torch.randn(64, 128) / 11
+    w1, w2 = torch.randn(64, 64) / 8, torch.randn(64, 64) / 8
     bf16_sparse = _module(w1, w2, "rowwise", "cpu")
     bf16_sparse.options = replace(bf16_sparse.options, sparse_float8=False)
     dense_phase = _module(w1, w2, "rowwise", "cpu")
@@ -177,7 +177,7 @@ def test_writes_between_steps_are_seen_by_the_next_steps_conversions(monkeypatch
 
     _cpu_kernel_path(monkeypatch, "rowwise", True)
     torch.manual_seed(4)
-    w1, w2 = torch.randn(128, 64) / 8, torch.randn(64, 128) / 11
+    w1, w2 = torch.randn(64, 64) / 8, torch.randn(64, 64) / 8
     m = _module(w1, w2, "rowwise", "cpu")
     x, dy = _batches(64, 64, "cpu", n=1)[0]
     with srelu24_step(m, keep_conversions=True, grads_in_place=False):
@@ -201,7 +201,7 @@ def test_a_write_during_the_step_is_refused_at_its_end(monkeypatch):
     from model.ffn import srelu24_step
 
     _cpu_kernel_path(monkeypatch, "rowwise", True)
-    m = _module(torch.randn(128, 64) / 8, torch.randn(64, 128) / 11, "rowwise", "cpu")
+    m = _module(torch.randn(64, 64) / 8, torch.randn(64, 64) / 8, "rowwise", "cpu")
     with pytest.raises(RuntimeError, match="written during an optimizer step"):
         with srelu24_step(m, keep_conversions=True, grads_in_place=False):
             assert m.step_state is not None and m.step_state.weights is not None
@@ -222,7 +222,7 @@ def test_the_compiled_module_takes_each_steps_state_without_recompiling(monkeypa
     _cpu_kernel_path(monkeypatch, "rowwise", True)
     torch._dynamo.reset()
     counters.clear()
-    m = _module(torch.randn(128, 64) / 8, torch.randn(64, 128) / 11, "rowwise", "cpu")
+    m = _module(torch.randn(64, 64) / 8, torch.randn(64, 64) / 8, "rowwise", "cpu")
     fwd = torch.compile(m, backend="aot_eager", fullgraph=True)
     from model.ffn import srelu24_step
 
@@ -243,7 +243,7 @@ def test_tokens_the_block_permuted_reach_the_op_as_no_permutation_of_its_own(mon
     _cpu_kernel_path(monkeypatch, "rowwise", False)
     seen, real = [], op.ffn_forward
     monkeypatch.setattr(op, "ffn_forward", lambda *a: seen.append(a[8]) or real(*a))  # a[8]: token_permutation
-    m = _module(torch.randn(128, 64) / 8, torch.randn(64, 128) / 11, "rowwise", "cpu")
+    m = _module(torch.randn(64, 64) / 8, torch.randn(64, 64) / 8, "rowwise", "cpu")
     m.options = replace(m.options, recipe=SReLU24Recipe(token_permutation=True))
     x = _batches(64, 64, "cpu", n=1)[0][0]
     m(x, tokens_permuted=True)

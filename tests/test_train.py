@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_train, tiny_overrides
+from helpers import background, run_train, tiny_overrides
 
 pytestmark = pytest.mark.slow
+
+FFNS = ["swiglu", "srelu", "srelu24"]
+RESUMED_FFNS = ["swiglu", "srelu24"]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -26,19 +29,36 @@ def files(d: Path) -> dict:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One shard cache shared by the tests of this module (prepared by the first run)."""
-    return tmp_path_factory.mktemp("shared")
-
-
 def overrides(tmp: Path, corpus: Path, cache: Path, extra=()):
     args = tiny_overrides(tmp, corpus, extra)
     return [a if not a.startswith("data.cache_dir=") else f"data.cache_dir={cache}" for a in args]
 
 
-@pytest.mark.parametrize("ffn", ["swiglu", "srelu", "srelu24"])
-def test_training_runs_and_learns(tmp_path, corpus, cache, ffn):
+@background
+def launches(ctx):
+    """Each test's runs of train.py, and its checks (helpers.background; the shard cache is prepared
+    before they start); each test waits for its own. The longest first."""
+    def job(check, name, *args):
+        tmp, corpus, cache = ctx.tmp(name), ctx.corpus, ctx.cache
+        return lambda: check(tmp, corpus, cache, *args)
+
+    jobs = {f"test_resume_is_exact[{ffn}]": job(check_resume_is_exact, "resume", ffn) for ffn in RESUMED_FFNS}
+    trunc, corpus = ctx.tmp("trunc"), ctx.corpus
+    jobs["test_truncated_shard_is_named"] = lambda: check_truncated_shard_is_named(trunc, corpus)
+    jobs["test_resume_with_another_shape_names_both"] = job(check_resume_with_another_shape_names_both, "shape")
+    jobs["test_shards_from_another_tokenizer"] = job(check_shards_from_another_tokenizer, "tokenizer")
+    jobs.update({f"test_training_runs_and_learns[{ffn}]": job(check_training_runs_and_learns, "learns", ffn)
+                 for ffn in FFNS})
+    jobs["test_model_vocabulary_smaller_than_shards"] = job(check_model_vocabulary_smaller_than_shards, "vocab")
+    return jobs
+
+
+@pytest.mark.parametrize("ffn", FFNS)
+def test_training_runs_and_learns(launched, ffn):
+    launched[f"test_training_runs_and_learns[{ffn}]"].result()
+
+
+def check_training_runs_and_learns(tmp_path, corpus, cache, ffn):
     extra = [f"ffn={ffn}", "ffn.dense_warmup_steps=4", "trainer.max_steps=12", "ffn.hidden_dim=128"]
     r = run_train(overrides(tmp_path, corpus, cache, extra))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -54,8 +74,12 @@ def test_training_runs_and_learns(tmp_path, corpus, cache, ffn):
         assert [m["mode_2to4"] for m in rows if "loss" in m] == [0] * 4 + [1] * 8
 
 
-@pytest.mark.parametrize("ffn", ["swiglu", "srelu24"])
-def test_resume_is_exact(tmp_path, corpus, cache, ffn):
+@pytest.mark.parametrize("ffn", RESUMED_FFNS)
+def test_resume_is_exact(launched, ffn):
+    launched[f"test_resume_is_exact[{ffn}]"].result()
+
+
+def check_resume_is_exact(tmp_path, corpus, cache, ffn):
     """2N steps straight == N steps, stop, resume, N more: bitwise weights and losses."""
     extra = [f"ffn={ffn}", "ffn.dense_warmup_steps=3", "ffn.hidden_dim=128", "trainer.ckpt_every=100"]
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -76,7 +100,11 @@ def test_resume_is_exact(tmp_path, corpus, cache, ffn):
         assert torch.equal(wa[k], wb[k]), k
 
 
-def test_resume_with_another_shape_names_both(tmp_path, corpus, cache):
+def test_resume_with_another_shape_names_both(launched):
+    launched["test_resume_with_another_shape_names_both"].result()
+
+
+def check_resume_with_another_shape_names_both(tmp_path, corpus, cache):
     r = run_train(overrides(tmp_path, corpus, cache, ["trainer.max_steps=4"]))
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_train(overrides(tmp_path, corpus, cache, ["trainer.max_steps=8", "model.dim=96",
@@ -86,7 +114,11 @@ def test_resume_with_another_shape_names_both(tmp_path, corpus, cache):
     assert "dim=64" in line and "dim=96" in line and "step_00000004" in line
 
 
-def test_shards_from_another_tokenizer(tmp_path, corpus, cache):
+def test_shards_from_another_tokenizer(launched):
+    launched["test_shards_from_another_tokenizer"].result()
+
+
+def check_shards_from_another_tokenizer(tmp_path, corpus, cache):
     """A run resumed on data whose tokenizer differs: clear error, checkpoint untouched."""
     r = run_train(overrides(tmp_path, corpus, cache, ["trainer.max_steps=4"]))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -99,14 +131,22 @@ def test_shards_from_another_tokenizer(tmp_path, corpus, cache):
     assert files(ckpt) == before
 
 
-def test_model_vocabulary_smaller_than_shards(tmp_path, corpus, cache):
+def test_model_vocabulary_smaller_than_shards(launched):
+    launched["test_model_vocabulary_smaller_than_shards"].result()
+
+
+def check_model_vocabulary_smaller_than_shards(tmp_path, corpus, cache):
     r = run_train(overrides(tmp_path, corpus, cache, ["model.vocab_size=100"]))
     assert r.returncode == 2
     line = r.stderr.strip().splitlines()[-1]
     assert "model.vocab_size=100" in line and "512" in line
 
 
-def test_truncated_shard_is_named(tmp_path, corpus):
+def test_truncated_shard_is_named(launched):
+    launched["test_truncated_shard_is_named"].result()
+
+
+def check_truncated_shard_is_named(tmp_path, corpus):
     args = tiny_overrides(tmp_path, corpus, ["trainer.max_steps=2"])
     r = run_train(args)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -2,14 +2,16 @@
 cubin with the ptxas in Triton's wheel. The interpreter runs the kernels' Python, not their
 lowering; this catches what only the GPU compiler would reject. In a subprocess, because the
 test session runs Triton in interpreter mode (tests/conftest.py)."""
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import BASE_ENV, ROOT, background
+
+SHARDS = 2  # every other kernel in each of two processes
 
 SCRIPT = r'''
+import sys
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -71,7 +73,8 @@ kernels += [
        "inv_ptr": "*fp32", "n": "i32", "FMAX": "constexpr", "POW2": "constexpr", "BLOCK": "constexpr"},
        {"FMAX": fmax, "POW2": pow2, "BLOCK": 1024}) for fmax, pow2 in ((448.0, True), (448.0, False), (57344.0, False))],
 ]
-for name, fn, signature, constexprs, *options in kernels:
+shard, shards = map(int, sys.argv[1:3])
+for name, fn, signature, constexprs, *options in kernels[shard::shards]:
     k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                        options=options[0] if options else None)
     assert "cubin" in k.asm and k.asm["ptx"], name
@@ -81,10 +84,22 @@ for name, fn, signature, constexprs, *options in kernels:
 '''
 
 
-def test_float8_kernels_compile_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+@background
+def launches(ctx):
+    """The compiling processes, launched with the session (helpers.background)."""
+    env = {k: v for k, v in BASE_ENV.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(ctx.tmp("triton") / "triton_cache")
     env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 37
+
+    def compile_shard(shard: int):
+        return lambda: subprocess.run([sys.executable, "-c", SCRIPT, str(shard), str(SHARDS)], cwd=ROOT, env=env,
+                                      capture_output=True, text=True, timeout=600)
+
+    return {f"test_float8_kernels_compile_for_sm90[{shard}]": compile_shard(shard) for shard in range(SHARDS)}
+
+
+def test_float8_kernels_compile_for_sm90(launched):
+    runs = [launched[f"test_float8_kernels_compile_for_sm90[{shard}]"].result() for shard in range(SHARDS)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert sum(r.stdout.count("compiled") for r in runs) == 37
