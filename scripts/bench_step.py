@@ -82,6 +82,7 @@ from training.checkpoint import CheckpointError, is_checkpoint, load_weights_int
 from training.config_checks import resolve_vocab_size  # noqa: E402
 from data.errors import DataError  # noqa: E402
 from data.loader import TokenLoader  # noqa: E402
+from training.cuda_graph import MicroBatchGraphs, graph_problem  # noqa: E402
 from training.step import StepParts, TrainState, train_step  # noqa: E402
 from training.gpu_clocks import ClockSampler, energy_during, interleaved_rounds  # noqa: E402
 
@@ -334,6 +335,10 @@ def row_environment(env: dict, device: torch.device) -> dict:
 def bench(cfg, args, d) -> dict:
     device, t = d.device, cfg.trainer
     model_cfg = replace(cfg.model, n_layers=args.layers) if args.layers else cfg.model
+    problem = graph_problem(t.cuda_graph, d.world_size, t.strategy.value, t.activation_checkpointing.value,
+                            getattr(model_cfg.attention, "value", model_cfg.attention), device)
+    if problem:
+        fail(problem)
     vocab = model_cfg.vocab_size or cfg.data.vocab_size
     bf16 = use_bf16(t.precision, device)
     fsdp_bf16 = t.strategy == Strategy.fsdp and bf16 and device.type == "cuda"
@@ -366,6 +371,8 @@ def bench(cfg, args, d) -> dict:
                       tokens_per_step=args.accum * B * S * d.world_size, lr_at=lambda step: lr,
                       grad_clip=cfg.optim.grad_clip, sparse_from=0 if cfg.ffn.kind == "srelu24" else None,
                       autocast=autocast_for(t.precision, t.strategy, device), nonfinite=t.nonfinite)
+    if t.cuda_graph:  # as the trainer builds it (training/loop.py, step_parts)
+        parts.graphs = MicroBatchGraphs.for_step(parts, B, S)
     state = TrainState()
     clock = Clock(device)
 
@@ -406,6 +413,7 @@ def bench(cfg, args, d) -> dict:
               "world_size": d.world_size, "strategy": t.strategy.value,
               "weights": str(args.weights) if args.weights else None, "tokens": args.tokens,
               "activation_checkpointing": t.activation_checkpointing.value, "compile": t.compile,
+              "cuda_graph": t.cuda_graph,
               "step_ms": step, "data_ms": data, "forward_ms": fw,
               "backward_ms": bw, "optimizer_ms": op, "tokens_per_s": tok_s,
               "mfu": size.flops_per_token * tok_s / d.world_size / peak if peak else None,
@@ -425,6 +433,8 @@ def bench(cfg, args, d) -> dict:
         result.update(host)
     # FSDP2 and compiled modules sit in reference cycles: collect them, or the next variant of a
     # sweep runs (and measures its peak memory) with this one's parameters still allocated
+    if parts.graphs is not None:
+        parts.graphs.close()
     del model, step_module, opt, train_step_timed
     parts = None  # the closure above held it
     gc.collect()

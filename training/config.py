@@ -74,6 +74,9 @@ class TrainerConfig:
     strategy: Strategy = Strategy.none  # none | ddp | fsdp (docs/DISTRIBUTED.md)
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none  # none | selective | full
     float8: Float8 = Float8.none  # none | tensorwise | rowwise: float8 linears via torchao (GPUs of sm89+)
+    # each micro-batch's forward and backward replayed from a CUDA graph (training/cuda_graph.py):
+    # for steps that wait on the host; one CUDA process, no activation checkpointing, causal attention
+    cuda_graph: bool = False
     dist_timeout_s: int = 1800   # a collective that waits longer than this ends the run (a lost rank)
     dry_run: bool = False        # build on the meta device, print sizes and FLOPs, exit
     progress: bool = True

@@ -9,11 +9,14 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from data.tokenizer import MIN_VOCAB_SIZE
 from model.config import ModelConfig, attention_shape_problem, ffn_hidden_dim
 from model.ffn import FFN, ffn_class
 
 from .config import Config, TrainerConfig
+from .cuda_graph import graph_problem
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -130,6 +133,11 @@ def check_config(cfg: Config, world_size: int = 1, rank: int = 0) -> None:
         raise ConfigError(f"trainer.precision={t.precision}: valid values are auto, bf16, fp32")
     if not _DEVICE.match(t.device):
         raise ConfigError(f"trainer.device={t.device}: valid values are auto, cpu, cuda, cuda:N")
+    cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
+    problem = graph_problem(t.cuda_graph, world_size, t.strategy.value, t.activation_checkpointing.value,
+                            m.attention.value, torch.device("cpu") if cpu else None)
+    if problem:
+        raise ConfigError(problem)
     if t.resume not in ("none", "auto") and not Path(t.resume).is_dir():
         raise ConfigError(f"trainer.resume={t.resume}: valid values are none, auto or the path of a checkpoint "
                           "directory (checkpoints/step_XXXXXXXX)")

@@ -38,6 +38,7 @@ from .preflight import dry_run_rows as fit_rows
 from .gpu_clocks import ClockSampler
 from .metrics import Throughput, peak_info
 from .optim import build_optimizer, lr_at
+from .cuda_graph import MicroBatchGraphs
 from .step import StepParts, TrainState, train_step
 from .config_checks import check_config, check_resume, resolve_vocab_size, total_steps
 
@@ -249,11 +250,14 @@ def run_loop(run: Run) -> Progress:
 def step_parts(run: Run) -> StepParts:
     """What every step of this run needs (training/step.py)."""
     cfg, t, steps = run.cfg, run.cfg.trainer, run.steps
-    return StepParts(model=run.model, train_module=run.train_module, optimizer=run.optimizer, dist=run.d,
-                     accum=run.accum, tokens_per_step=run.tokens_per_step,
-                     lr_at=lambda step: lr_at(step, steps, cfg.optim), grad_clip=cfg.optim.grad_clip,
-                     sparse_from=cfg.ffn.dense_warmup_steps if cfg.ffn.kind == "srelu24" else None,
-                     autocast=autocast_for(t.precision, t.strategy, run.d.device), nonfinite=t.nonfinite)
+    parts = StepParts(model=run.model, train_module=run.train_module, optimizer=run.optimizer, dist=run.d,
+                      accum=run.accum, tokens_per_step=run.tokens_per_step,
+                      lr_at=lambda step: lr_at(step, steps, cfg.optim), grad_clip=cfg.optim.grad_clip,
+                      sparse_from=cfg.ffn.dense_warmup_steps if cfg.ffn.kind == "srelu24" else None,
+                      autocast=autocast_for(t.precision, t.strategy, run.d.device), nonfinite=t.nonfinite)
+    if t.cuda_graph:
+        parts.graphs = MicroBatchGraphs.for_step(parts, t.micro_batch_size, t.seq_len)
+    return parts
 
 
 def one_step(run: Run, parts: StepParts, meter: Throughput, bar, progress: Progress) -> tuple[int, bool]:

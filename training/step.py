@@ -10,6 +10,10 @@ conversions are made once when the step begins and reused by every micro-batch, 
 the weight gradients into .grad itself; both end with the micro-batches, before the optimizer
 writes the weights.
 
+trainer.cuda_graph (training/cuda_graph.py): each micro-batch's forward and backward is one replay
+of a CUDA graph that reads fixed buffers; it keeps srelu24's step state itself, and the .grad
+buffers it adds into are zeroed in place after the optimizer, not dropped.
+
 The non-finite check: one process, nonfinite=skip and a fused Adam/AdamW skip on the device (the
 optimizer's found_inf), with no host sync; the count of skipped steps is read back on logged steps
 and by `TrainState.settle_skipped`. Otherwise (several ranks must agree, nonfinite=stop names
@@ -18,7 +22,7 @@ the tensor, an unfused optimizer) the norm is read back every step and the step 
 import logging
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
@@ -75,6 +79,9 @@ class StepParts:
     autocast: Callable[[], ContextManager] = nullcontext
     nonfinite: str = "skip"                      # skip the step, or "stop" the run
     params: list = field(default_factory=list)   # filled from the model when empty
+    # trainer.cuda_graph: the micro-batches through fixed buffers, replayed from a CUDA graph
+    # (training/cuda_graph.py, MicroBatchGraphs); None: eager
+    graphs: Any = None
 
     def __post_init__(self):
         if not self.params:
@@ -121,17 +128,18 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
         group["lr"] = lr
 
     loss_sum, data_s = torch.zeros((), device=d.device), 0.0
-    # one micro-batch has nothing to share. FSDP2 gathers its weights anew for each use; DDP's reducer
-    # hooks autograd's accumulation into .grad, which srelu24's op would bypass
-    several, fsdp = p.accum > 1, is_fsdp(p.model)
-    with srelu24_step(model, keep_conversions=several and not fsdp,
-                      grads_in_place=several and not fsdp and p.train_module is p.model):
+    with micro_batch_state(p, sparse_on, log):
         mark("optimizer")  # srelu24's weight conversions for the step: the optimizer's work, not data's
         for micro in range(p.accum):
             t0 = time.perf_counter()
             x, y = next_batch()
             data_s += time.perf_counter() - t0
             mark("data")
+            if p.graphs is not None:  # forward and backward in one replay: its time is the forward's
+                loss_sum += p.graphs.micro(x, y)
+                mark("forward")
+                mark("backward")
+                continue
             with grad_sync(p.train_module, last=micro == p.accum - 1):
                 with p.autocast():
                     loss = p.train_module(x, y)
@@ -158,7 +166,7 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
             state.skipped_steps += 1
             if d.is_main:
                 warn_skipped(step + 1, step + 1, 1, state.skipped_steps)
-    p.optimizer.zero_grad(set_to_none=True)
+    p.optimizer.zero_grad(set_to_none=p.graphs is None)  # a graph adds into the same .grad every step
     mark("optimizer")
     state.step += 1
     state.tokens += p.tokens_per_step
@@ -173,6 +181,26 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
             out.applied = math.isfinite(out.grad_norm)
             state.settle_skipped()
     return out
+
+
+@contextmanager
+def micro_batch_state(p: StepParts, sparse_on: bool, log: bool):
+    """What a step's micro-batches share, opened before the first and closed after the last, also on
+    errors: srelu24's step state (model/ffn.py), or under trainer.cuda_graph the graph's buffers,
+    which keep it."""
+    if p.graphs is not None:
+        p.graphs.begin_step(sparse_on, log)
+        try:
+            yield
+        finally:
+            p.graphs.end_step()
+        return
+    # one micro-batch has nothing to share. FSDP2 gathers its weights anew for each use; DDP's reducer
+    # hooks autograd's accumulation into .grad, which srelu24's op would bypass
+    several, fsdp = p.accum > 1, is_fsdp(p.model)
+    with srelu24_step(p.model, keep_conversions=several and not fsdp,
+                      grads_in_place=several and not fsdp and p.train_module is p.model):
+        yield
 
 
 def optimizer_step_skipping_on_device(p: StepParts, state: TrainState, grad_norm: Tensor) -> None:

@@ -1,0 +1,194 @@
+"""trainer.cuda_graph (training/cuda_graph.py). On the CPU the micro-batches run eagerly through the
+graph's fixed buffers (tokens, token orders, .grad zeroed in place, srelu24's kept step state): the
+bookkeeping must give the eager trainer's run bit for bit, across srelu24's switch to 2:4 and
+logged steps. The capture itself is the GPU test's."""
+import pytest
+import torch
+
+from helpers import compose_config, to_object
+from test_step import S, batches, parts_for, tiny
+from training import cuda_graph
+from training.config_checks import check_config
+from training.cuda_graph import MicroBatchGraphs, graph_problem
+from training.errors import ConfigError
+from training.step import TrainState, train_step
+
+MICRO = 4
+
+
+def run(model, graphs: bool, steps: int = 6, accum: int = 2, sparse_from=2, log_every: int = 3):
+    """`steps` optimizer steps: (the logged steps' losses, the final weights)."""
+    parts = parts_for(model, accum=accum, micro=MICRO, sparse_from=sparse_from)
+    if graphs:
+        parts.graphs = MicroBatchGraphs.for_step(parts, MICRO, S)
+    state, data = TrainState(), iter(batches(steps * accum, MICRO))
+    losses = []
+    for i in range(steps):
+        out = train_step(parts, state, data.__next__, log=(i + 1) % log_every == 0)
+        if out.loss is not None:
+            losses.append(out.loss)
+    if graphs:
+        parts.graphs.close()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a, b):
+    assert a[0] == b[0]
+    for n in a[1]:
+        assert torch.equal(a[1][n], b[1][n]), n
+
+
+@pytest.mark.parametrize("kind, accum", [("srelu24", 2), ("srelu24", 1), ("swiglu", 2)])
+def test_the_graphs_buffers_train_as_the_eager_step(kind, accum):
+    """Dense warmup, the switch to 2:4 at step 2 (srelu24: token orders drawn for the block from
+    then on), logged steps 3 and 6: the same losses and weights, bit for bit."""
+    sparse_from = 2 if kind == "srelu24" else None
+    eager = run(tiny(kind), graphs=False, accum=accum, sparse_from=sparse_from)
+    graphed = run(tiny(kind), graphs=True, accum=accum, sparse_from=sparse_from)
+    assert len(eager[0]) == 2
+    assert_same(graphed, eager)
+
+
+def test_the_token_orders_reach_the_model_through_the_fixed_buffer(monkeypatch):
+    """Orders other than the eager model's (the buffer rolled by one token) train another model:
+    the buffer is what the blocks read."""
+    eager = run(tiny("srelu24"), graphs=False)
+    draw = cuda_graph._OrderFeed.draw
+
+    def rolled(self):
+        draw(self)
+        if self.buf is not None:
+            self.buf.copy_(self.buf.roll(1, dims=-1))
+
+    monkeypatch.setattr(cuda_graph._OrderFeed, "draw", rolled)
+    graphed = run(tiny("srelu24"), graphs=True)
+    assert any(not torch.equal(graphed[1][n], eager[1][n]) for n in eager[1])
+
+
+def test_the_gradient_buffers_are_kept_and_zeroed_in_place():
+    """The graph adds into the same .grad tensors every step: the optimizer zeroes them, it does
+    not drop them; after close() the model draws its own token orders again."""
+    model = tiny("srelu24")
+    parts = parts_for(model, accum=2, micro=MICRO, sparse_from=0)
+    parts.graphs = MicroBatchGraphs.for_step(parts, MICRO, S)
+    data, state = iter(batches(4, MICRO)), TrainState()
+    train_step(parts, state, data.__next__)
+    grads = [p.grad for p in parts.params]
+    assert all(g is not None and not g.any() for g in grads)
+    train_step(parts, state, data.__next__)
+    assert all(p.grad is g for p, g in zip(parts.params, grads))
+    assert "token_orders" in model.__dict__
+    parts.graphs.close()
+    assert "token_orders" not in model.__dict__
+
+
+def test_a_micro_batch_of_another_shape_is_refused():
+    model = tiny("srelu")
+    parts = parts_for(model, accum=1, micro=MICRO)
+    parts.graphs = MicroBatchGraphs.for_step(parts, MICRO, S)
+    x = torch.zeros(MICRO + 1, S, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"a micro-batch of \(5, 16\) tokens where the graph holds \(4, 16\)"):
+        train_step(parts, TrainState(), lambda: (x, x))
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["trainer.device=cpu"], "a CUDA device (got cpu)"),
+    (["trainer.activation_checkpointing=full"], "trainer.activation_checkpointing=none (got full"),
+    (["model.attention=document"], "model.attention=causal (got document"),
+])
+def test_settings_the_graph_cannot_take_are_one_line(overrides, named):
+    cfg = to_object(compose_config(["+experiment=demo", "trainer.cuda_graph=true", *overrides]))
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("trainer.cuda_graph=true needs ") and named in line
+    assert line.endswith("or set trainer.cuda_graph=false")
+
+
+def test_several_processes_are_refused_and_the_default_is_eager():
+    assert "one process and trainer.strategy=none (got 2 process(es), strategy=ddp" in graph_problem(
+        True, 2, "ddp", "none", "causal")
+    assert graph_problem(False, 2, "fsdp", "full", "document", torch.device("cpu")) is None
+    assert graph_problem(True, 1, "none", "none", "causal", torch.device("cuda", 0)) is None
+    assert to_object(compose_config(["+experiment=demo"])).trainer.cuda_graph is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["srelu", "srelu24"])
+def test_the_captured_step_trains_as_the_eager_step_on_the_gpu(kind):
+    """The real capture, the model built as the trainer builds it (float8 tensorwise where the GPU
+    has it, compiled blocks and loss head, srelu24's kernels and step state): the same losses and
+    weights as eager, bit for bit, through the switch to 2:4 and logged steps, wherever the eager
+    run repeats itself bit for bit (else within twice its own spread)."""
+    from model import FFNConfig, ModelConfig, Transformer
+    from training.config import Float8, TrainerConfig
+    from training.distributed import Dist, build_model
+    from training.step import StepParts
+
+    dev = torch.device("cuda")
+    f8 = Float8.tensorwise if torch.cuda.get_device_capability(dev) >= (8, 9) else Float8.none
+    t = TrainerConfig(compile=True, float8=f8, device="cuda")
+    d = Dist(device=dev)
+    B, L, V = 8, 256, 512
+
+    def go(graphs: bool):
+        cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, max_seq_len=L)
+        m, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=kind, hidden_dim=1024), V, float8=f8.value),
+                           t, d, 0, False)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        parts = StepParts(model=m, train_module=m, optimizer=opt, dist=d, accum=2, tokens_per_step=2 * B * L,
+                          lr_at=lambda s: 1e-3, grad_clip=1.0, sparse_from=2 if kind == "srelu24" else None,
+                          autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        if graphs:
+            parts.graphs = MicroBatchGraphs.for_step(parts, B, L)
+        g = torch.Generator().manual_seed(3)
+        toks = [torch.randint(0, V, (B, L + 1), generator=g) for _ in range(12)]
+        data = iter([(x[:, :-1].contiguous().to(dev), x[:, 1:].contiguous().to(dev)) for x in toks])
+        torch.manual_seed(11)  # the token orders' generator, the same for every run
+        state, losses = TrainState(), []
+        for i in range(6):
+            losses.append(train_step(parts, state, data.__next__, log=i in (3, 5)).loss)
+        if graphs:
+            parts.graphs.close()
+        return losses, {n: p.detach().float().clone() for n, p in m.named_parameters()}
+
+    a, b, graphed = go(False), go(False), go(True)
+    if a[0] == b[0] and all(torch.equal(a[1][n], b[1][n]) for n in a[1]):
+        assert_same(graphed, a)
+    else:
+        for n in a[1]:
+            spread = (a[1][n] - b[1][n]).norm()
+            assert (graphed[1][n] - a[1][n]).norm() <= 2 * spread + 1e-12, n
+
+
+def test_srelu24s_kept_step_state_is_refreshed_each_step(monkeypatch):
+    """The op's kernel path on the CPU (test_step_state.py's stand-ins), float8 rowwise, several
+    micro-batches: the graph keeps one step state per FFN for the 2:4 phase, and each step copies
+    the new weights' e4m3 conversions into it; the run is the eager one's, bit for bit."""
+    from model import FFNConfig, ModelConfig, Transformer
+    from model.ffn import SReLU24
+    from test_step_state import _cpu_kernel_path
+
+    _cpu_kernel_path(monkeypatch, "rowwise", keep=True)
+
+    def model():
+        torch.manual_seed(0)
+        cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, max_seq_len=S)
+        return Transformer(cfg, FFNConfig(kind="srelu24", hidden_dim=64), 64, float8="rowwise")
+
+    eager = run(model(), graphs=False, steps=4, log_every=2)
+    m = model()
+    parts = parts_for(m, accum=2, micro=MICRO, sparse_from=2)
+    parts.graphs = MicroBatchGraphs.for_step(parts, MICRO, S)
+    state, data = TrainState(), iter(batches(8, MICRO))
+    kept, losses = [], []
+    for i in range(4):
+        out = train_step(parts, state, data.__next__, log=(i + 1) % 2 == 0)
+        losses.append(out.loss)
+        kept.append([st.weights.for_y[0].data_ptr() if st else None for st in parts.graphs.states])
+    ffns = [f for f in m.modules() if isinstance(f, SReLU24)]
+    assert all(f.step_state is None for f in ffns)  # outside the step: evaluations read the weights
+    assert kept[0] == [None, None] and None not in kept[2] and kept[2] == kept[3]  # one state, kept
+    assert [x for x in losses if x is not None] == eager[0]
+    for n, p in m.named_parameters():
+        assert torch.equal(p.detach(), eager[1][n]), n

@@ -1,0 +1,213 @@
+"""trainer.cuda_graph: each micro-batch's forward and backward replayed from a CUDA graph, captured
+by hand with torch.cuda.graph, so that the host launches one graph where it launched every kernel.
+A step that waits on the host (srelu24 in float8 at 1B: benchmarks/RESULTS.md, "A micro-batch as
+one CUDA graph") then runs at the GPU's pace; one that does not gains nothing and loses nothing.
+
+A capture bakes in every address its kernels read, so everything a micro-batch reads or writes
+lives in a fixed buffer:
+- the tokens and targets, copied into fixed buffers before each replay;
+- srelu24's token orders: drawn on the host for each micro-batch by the same call, from the same
+  generator, as the eager model draws them (model/transformer.py, Transformer.token_orders), and
+  copied into a fixed buffer that the model reads instead. A graphed run therefore trains bit for
+  bit as the eager one (tests/test_cuda_graph.py);
+- the gradients: every parameter's .grad is allocated once and zeroed in place after each
+  optimizer step (training/step.py), and each replay adds into it, as autograd and srelu24's op
+  (which adds its weight gradients itself under accumulation) do eagerly;
+- srelu24's step state (model/ffn.py, begin_step): opened once per 2:4 phase and kept; at each
+  step its weights' e4m3 conversions are made afresh and copied into the buffers the graph reads.
+
+One graph per 2:4 phase (srelu24's dense warmup has its own, dropped at the switch). Logged steps
+run the same micro-batch eagerly: they collect the FFN statistics, other kernels, some of which
+copy from the host. The graph is captured on a step's first micro-batch, after two eager runs of
+it on a side stream (compilation, cuSPARSELt's plans and id search, cuBLAS workspaces) whose
+gradients are zeroed. Hand-made rather than torch.compile's mode="reduce-overhead": its cudagraph
+trees hand a graph's output buffers to the next replay, which broke gradient accumulation
+(lab/LOG.md).
+
+Memory: the graph's pool keeps one micro-batch's activations for the graph's life, and the
+eager runs (warmup, logged steps) allocate theirs beside it: up to one micro-batch's activations
+more than an eager run. Where it runs: one process, no activation checkpointing, causal attention,
+a CUDA device (`graph_problem`). On a CPU the "graph" runs the micro-batch eagerly through the
+same buffers: the tests check the bookkeeping there, and the capture on a GPU.
+"""
+from typing import Callable, ContextManager, Optional
+
+import torch
+from torch import Tensor, nn
+
+from model.ffn import SReLU24
+from srelu24_kernels.srelu24.reference import random_token_orders
+
+WARMUP_RUNS = 2  # eager runs before a capture: the first compiles and searches, the second runs as it will
+
+
+def graph_problem(cuda_graph: bool, world_size: int, strategy: str, activation_checkpointing: str,
+                  attention: str, device: Optional[torch.device] = None) -> Optional[str]:
+    """Why trainer.cuda_graph=true cannot run with these settings, in one line; None if it can.
+    device: the resolved device, where known."""
+    if not cuda_graph:
+        return None
+    why = []
+    if world_size > 1 or strategy != "none":
+        why.append(f"one process and trainer.strategy=none (got {world_size} process(es), strategy={strategy}: "
+                   "DDP's and FSDP2's collectives and hooks are not captured)")
+    if activation_checkpointing != "none":
+        why.append(f"trainer.activation_checkpointing=none (got {activation_checkpointing}: recomputation reads the "
+                   "RNG state on the host)")
+    if attention != "causal":
+        why.append(f"model.attention=causal (got {attention}: the document mask is not captured)")
+    if device is not None and device.type != "cuda":
+        why.append(f"a CUDA device (got {device})")
+    if why:
+        return "trainer.cuda_graph=true needs " + "; ".join(why) + "; or set trainer.cuda_graph=false"
+    return None
+
+
+class _OrderFeed:
+    """The model's token orders read from one fixed buffer (the instance attribute shadows
+    Transformer.token_orders); `draw` fills it as the eager model would draw them."""
+
+    def __init__(self, model: nn.Module, T: int, device: torch.device):
+        self.model, self.T, self.device = model, T, device
+        self.wants: list[bool] = []
+        self.buf: Optional[Tensor] = None
+
+    def set_phase(self) -> None:
+        """The FFNs that want an order now (srelu24's 2:4 phase with token_permutation); a fixed
+        buffer of identity orders for them, until `draw` fills it."""
+        self.wants = [layer.feed_forward.wants_token_order() for layer in self.model.layers]
+        n = sum(self.wants)
+        if n:
+            ar = torch.arange(self.T, dtype=torch.int32, device=self.device)
+            self.buf = ar.expand(n, 2, self.T).contiguous()  # [i, 0] an order, [i, 1] its inverse
+        else:
+            self.buf = None
+
+    def draw(self) -> None:
+        if self.buf is not None:
+            self.buf.copy_(random_token_orders(self.T, self.buf.shape[0], self.device), non_blocking=True)
+
+    def __call__(self, T: int, device) -> Optional[list]:
+        if self.buf is None or not torch.is_grad_enabled():
+            return None
+        if T != self.T:
+            raise ValueError(f"trainer.cuda_graph: a forward of {T} tokens in a run whose micro-batches hold {self.T}")
+        rows = iter(self.buf.unbind(0))
+        return [next(rows) if w else None for w in self.wants]
+
+
+class MicroBatchGraphs:
+    """A step's micro-batches through fixed buffers, replayed from a CUDA graph (module docstring).
+    training/step.py calls begin_step, then micro for each micro-batch, then end_step."""
+
+    def __init__(self, model: nn.Module, train_module: nn.Module, params: list, accum: int,
+                 autocast: Callable[[], ContextManager], micro_batch: int, seq_len: int, device: torch.device):
+        self.model, self.train_module, self.params, self.accum, self.autocast = model, train_module, params, accum, autocast
+        self.device, self.capture = device, device.type == "cuda"
+        self.x = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+        self.y = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+        self.feed = _OrderFeed(model, micro_batch * seq_len, device)
+        self.ffns = [m for m in model.modules() if isinstance(m, SReLU24)]
+        self.phase: Optional[bool] = None   # the 2:4 phase the graph and the step states are for
+        self.states: list = []              # srelu24's kept step states, one per FFN (None where it has none)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.loss: Optional[Tensor] = None  # the graph's output
+        self.eager = True                   # this step runs eagerly (a logged step)
+        self.index = 0                      # the step's micro-batches so far
+
+    @classmethod
+    def for_step(cls, parts, micro_batch: int, seq_len: int) -> "MicroBatchGraphs":
+        """For a training/step.py StepParts whose micro-batches are [micro_batch, seq_len] tokens."""
+        return cls(parts.model, parts.train_module, parts.params, parts.accum, parts.autocast, micro_batch, seq_len,
+                   parts.dist.device)
+
+    # ------------------------------------------------------------ a step
+    def begin_step(self, sparse_on: bool, log: bool) -> None:
+        """Before a step's first micro-batch (after model.set_2to4 and collect_ffn_stats)."""
+        if sparse_on != self.phase:  # the first step, or srelu24's switch to 2:4: a new graph
+            self.graph, self.loss, self.phase = None, None, sparse_on
+            self.states = []
+            self.feed.set_phase()
+            self.model.token_orders = self.feed
+            if self.capture:
+                torch.cuda.empty_cache()  # the dropped graph's pool
+        for p in self.params:
+            if p.grad is None:  # once: the buffers every replay adds into, zeroed in place after each step
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        if not self.states:
+            self.states = self._open_states()
+        else:
+            self._refresh_conversions()
+        for m, st in zip(self.ffns, self.states):
+            m.step_state = st
+        self.eager, self.index = log or not self.capture, 0
+
+    def micro(self, x: Tensor, y: Tensor) -> Tensor:
+        """One micro-batch's forward and backward; its loss (detached)."""
+        if x.shape != self.x.shape or y.shape != self.y.shape:
+            raise ValueError(f"trainer.cuda_graph: a micro-batch of {tuple(x.shape)} tokens where the graph holds "
+                             f"{tuple(self.x.shape)}")
+        self.x.copy_(x, non_blocking=True)
+        self.y.copy_(y, non_blocking=True)
+        self.feed.draw()
+        first, self.index = self.index == 0, self.index + 1
+        if self.eager:
+            return self._run()
+        if self.graph is None:
+            if not first:  # the warmup's gradients would land in this step's
+                raise RuntimeError("trainer.cuda_graph: a capture must come on a step's first micro-batch")
+            self._capture()
+        self.graph.replay()
+        return self.loss
+
+    def end_step(self) -> None:
+        """After the step's last micro-batch, before the optimizer writes the weights: the kept step
+        states leave the FFNs (an evaluation reads the new weights, not the conversions)."""
+        for m in self.ffns:
+            m.step_state = None
+
+    def close(self) -> None:
+        """The graph and its buffers released; the model draws its own token orders again."""
+        self.end_step()
+        self.graph, self.loss, self.states, self.phase = None, None, [], None
+        if self.model.__dict__.get("token_orders") is self.feed:
+            del self.model.token_orders
+
+    # ------------------------------------------------------------ inside
+    def _run(self) -> Tensor:
+        with self.autocast():
+            loss = self.train_module(self.x, self.y)
+        (loss / self.accum).backward()
+        return loss.detach()
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        torch._foreach_zero_([p.grad for p in self.params])
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = self._run()
+
+    def _open_states(self) -> list:
+        """srelu24's step states, opened as training/step.py opens them eagerly (several micro-batches:
+        kept conversions, gradients added into .grad) and kept for the phase."""
+        several = self.accum > 1
+        states = []
+        for m in self.ffns:
+            m.begin_step(keep_conversions=several, grads_in_place=several)
+            states.append(m.step_state)
+        return states
+
+    def _refresh_conversions(self) -> None:
+        """The current weights' e4m3 conversions, copied into the kept ones (the graph's buffers)."""
+        from srelu24_kernels.srelu24.op import convert_weights
+
+        with torch.no_grad():
+            for m, st in zip(self.ffns, self.states):
+                if st is not None and st.weights is not None:
+                    fresh = convert_weights(m.w1.weight, m.w2.weight, m.options)
+                    torch._foreach_copy_(st.weights.flat(), fresh.flat())
