@@ -77,6 +77,19 @@ def test_strategies_and_checkpointing_move_the_right_parts():
     assert bigger.parts["activations"] == 2 * one.parts["activations"]
 
 
+def test_a_cuda_graph_adds_a_micro_batchs_activations_and_keeps_the_gradients():
+    """trainer.cuda_graph: the graph's pool holds a micro-batch's activations and transient beside the
+    eager ones (a logged step's), and .grad lives through the run, also without accumulation."""
+    m, f = replace(M1B, n_layers=8), FFNConfig(kind="srelu24")
+    for train in (TRAIN_1B, replace(TRAIN_1B, batch_size=8)):
+        eager, graphed = estimate(m, f, V, train, 1), estimate(m, f, V, replace(train, cuda_graph=True), 1)
+        transient = next(v for k, v in eager.parts.items() if k.startswith("largest transient"))
+        pool = graphed.parts["CUDA graph's pool (a micro-batch's activations, kept)"]
+        assert pool == eager.parts["activations"] + transient
+        kept_grads = 0 if train.batch_size > train.micro_batch_size else eager.parts["gradients (fp32)"]
+        assert graphed.peak == eager.peak + pool + kept_grads
+
+
 def test_checkpoint_bytes_are_weights_and_adamw():
     """The dry run's checkpoint size is training/checkpoint.py's (one definition; measured against
     real checkpoints in tests/test_checkpoint.py): 12 bytes per fp32 parameter (weights, two AdamW

@@ -57,6 +57,7 @@ FFN_KEPT = {"swiglu": 3.0, "srelu": 2.0}  # bf16 hidden-sized tensors kept for t
 A24_OF_Z = 9 / 16                    # srelu24's compressed A24 against Z: half the values + 2 bits each
 KEPT_CONVERSIONS = "srelu24's kept e4m3 weight conversions"
 WEIGHT_COPIES = "bf16 copies of the blocks' weights (autocast)"
+GRAPH_POOL = "CUDA graph's pool (a micro-batch's activations, kept)"
 
 
 def gib(n: float) -> str:
@@ -156,12 +157,17 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         # W1's rows and columns, W2's rows and columns: 4 per layer of d x F bytes (e4m3)
         e.parts[KEPT_CONVERSIONS] = 4 * d * ffn_hidden_dim(mcfg, fcfg) * L
 
+    if t.cuda_graph:
+        # training/cuda_graph.py: the graph's private pool keeps what a micro-batch allocates, and an
+        # eager micro-batch (the capture's warmup, a logged step) takes its own beside it; .grad
+        # is allocated for the whole run
+        e.parts[GRAPH_POOL] = e.parts["activations"] + int(max(head, block))
     resident = sum(v for k, v in e.parts.items()
-                   if k not in ("gradients (fp32)", "activations", KEPT_CONVERSIONS, WEIGHT_COPIES)
+                   if k not in ("gradients (fp32)", "activations", KEPT_CONVERSIONS, WEIGHT_COPIES, GRAPH_POOL)
                    and not k.startswith("largest transient"))
     backward = resident + e.parts["activations"] + max(head, block) + (e.parts["gradients (fp32)"]
-                                                                        if grad_accumulation else 0)
-    backward += e.parts.get(KEPT_CONVERSIONS, 0) + e.parts.get(WEIGHT_COPIES, 0)
+                                                                        if grad_accumulation or t.cuda_graph else 0)
+    backward += e.parts.get(KEPT_CONVERSIONS, 0) + e.parts.get(WEIGHT_COPIES, 0) + e.parts.get(GRAPH_POOL, 0)
     step = resident + e.parts["gradients (fp32)"]
     e.peak, e.peak_phase = (int(backward), "backward") if backward >= step else (int(step), "optimizer step")
     return e
