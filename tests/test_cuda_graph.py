@@ -2,6 +2,8 @@
 graph's fixed buffers (tokens, token orders, .grad zeroed in place, srelu24's kept step state): the
 bookkeeping must give the eager trainer's run bit for bit, across srelu24's switch to 2:4 and
 logged steps. The capture itself is the GPU test's."""
+from contextlib import contextmanager, nullcontext
+
 import pytest
 import torch
 
@@ -16,11 +18,15 @@ from training.step import TrainState, train_step
 MICRO = 4
 
 
-def run(model, graphs: bool, steps: int = 6, accum: int = 2, sparse_from=2, log_every: int = 3):
-    """`steps` optimizer steps: (the logged steps' losses, the final weights)."""
+def run(model, graphs: bool, steps: int = 6, accum: int = 2, sparse_from=2, log_every: int = 3,
+        capture: bool = False):
+    """`steps` optimizer steps: (the logged steps' losses, the final weights). capture: through the
+    capture path, on _FakeCapture's stand-ins."""
     parts = parts_for(model, accum=accum, micro=MICRO, sparse_from=sparse_from)
     if graphs:
         parts.graphs = MicroBatchGraphs.for_step(parts, MICRO, S)
+        parts.graphs.capture = capture
+        _FakeCapture.runner = parts.graphs
     state, data = TrainState(), iter(batches(steps * accum, MICRO))
     losses = []
     for i in range(steps):
@@ -30,6 +36,41 @@ def run(model, graphs: bool, steps: int = 6, accum: int = 2, sparse_from=2, log_
     if graphs:
         parts.graphs.close()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class _FakeCapture:
+    """torch.cuda's graph API on the CPU. A capture runs the micro-batch's Python, as a real one does,
+    and undoes what it did to .grad (a real capture runs no kernel) and checks it drew no random
+    numbers; a replay runs it again and writes the loss into the captured output tensor, as a
+    replay writes the graph's fixed outputs."""
+    runner = None
+    replays = 0
+
+    def replay(self):
+        _FakeCapture.replays += 1
+        r = _FakeCapture.runner
+        r.loss.copy_(r._run())
+
+    @staticmethod
+    @contextmanager
+    def graph(graph, **kw):
+        r = _FakeCapture.runner
+        grads, rng = [p.grad.clone() for p in r.params], torch.get_rng_state()
+        yield
+        assert torch.equal(rng, torch.get_rng_state()), "the capture drew random numbers"
+        for p, g in zip(r.params, grads):
+            p.grad.copy_(g)
+
+    @classmethod
+    def install(cls, monkeypatch):
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        cls.replays = 0
+        for name, value in {"Stream": Stream, "current_stream": lambda *a: Stream(), "CUDAGraph": cls,
+                            "stream": lambda s: nullcontext(), "graph": cls.graph, "empty_cache": lambda: None}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
 
 
 def assert_same(a, b):
@@ -47,6 +88,38 @@ def test_the_graphs_buffers_train_as_the_eager_step(kind, accum):
     graphed = run(tiny(kind), graphs=True, accum=accum, sparse_from=sparse_from)
     assert len(eager[0]) == 2
     assert_same(graphed, eager)
+
+
+@pytest.mark.parametrize("kind, accum", [("srelu24", 2), ("srelu24", 1), ("swiglu", 2)])
+def test_the_capture_path_trains_as_the_eager_step(monkeypatch, kind, accum):
+    """Through the capture path (warmup runs whose gradients are zeroed, a capture on the step's first
+    micro-batch, replays into the fixed loss; logged steps eager; a new capture at the switch to
+    2:4), on stand-ins for torch.cuda's graph API: bit for bit the eager run, and every micro-batch
+    of the four unlogged steps replayed."""
+    _FakeCapture.install(monkeypatch)
+    sparse_from = 2 if kind == "srelu24" else None
+    eager = run(tiny(kind), graphs=False, accum=accum, sparse_from=sparse_from)
+    graphed = run(tiny(kind), graphs=True, accum=accum, sparse_from=sparse_from, capture=True)
+    assert_same(graphed, eager)
+    assert _FakeCapture.replays == 4 * accum
+
+
+def test_a_replaced_gradient_buffer_is_captured_anew(monkeypatch):
+    """Something that drops .grad between steps (a zero_grad(set_to_none=True)): the graph would add
+    into freed memory; it is captured again on the new buffers instead."""
+    _FakeCapture.install(monkeypatch)
+    model = tiny("srelu")
+    parts = parts_for(model, accum=2, micro=MICRO)
+    parts.graphs = MicroBatchGraphs.for_step(parts, MICRO, S)
+    parts.graphs.capture, _FakeCapture.runner = True, parts.graphs
+    data, state = iter(batches(6, MICRO)), TrainState()
+    train_step(parts, state, data.__next__)
+    first = parts.graphs.graph
+    parts.optimizer.zero_grad(set_to_none=True)
+    train_step(parts, state, data.__next__)
+    assert parts.graphs.graph is not first and all(p.grad is g for p, g in zip(parts.params, parts.graphs.grads))
+    train_step(parts, state, data.__next__)
+    assert _FakeCapture.replays == 6
 
 
 def test_the_token_orders_reach_the_model_through_the_fixed_buffer(monkeypatch):
@@ -148,7 +221,8 @@ def test_the_captured_step_trains_as_the_eager_step_on_the_gpu(kind):
         state, losses = TrainState(), []
         for i in range(6):
             losses.append(train_step(parts, state, data.__next__, log=i in (3, 5)).loss)
-        if graphs:
+        if graphs:  # steps 0-2 and 4 replayed (3 and 5 are logged: eager), 2 micro-batches each
+            assert parts.graphs.replays == 8
             parts.graphs.close()
         return losses, {n: p.detach().float().clone() for n, p in m.named_parameters()}
 

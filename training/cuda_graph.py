@@ -12,7 +12,8 @@ lives in a fixed buffer:
   bit as the eager one (tests/test_cuda_graph.py);
 - the gradients: every parameter's .grad is allocated once and zeroed in place after each
   optimizer step (training/step.py), and each replay adds into it, as autograd and srelu24's op
-  (which adds its weight gradients itself under accumulation) do eagerly;
+  (which adds its weight gradients itself under accumulation) do eagerly (a .grad replaced
+  between steps gets a new capture);
 - srelu24's step state (model/ffn.py, begin_step): opened once per 2:4 phase and kept; at each
   step its weights' e4m3 conversions are made afresh and copied into the buffers the graph reads.
 
@@ -112,8 +113,10 @@ class MicroBatchGraphs:
         self.states: list = []              # srelu24's kept step states, one per FFN (None where it has none)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.loss: Optional[Tensor] = None  # the graph's output
+        self.grads: list = []               # the .grad tensors the graph adds into
         self.eager = True                   # this step runs eagerly (a logged step)
         self.index = 0                      # the step's micro-batches so far
+        self.replays = 0                    # micro-batches replayed from the graph, all steps
 
     @classmethod
     def for_step(cls, parts, micro_batch: int, seq_len: int) -> "MicroBatchGraphs":
@@ -134,6 +137,8 @@ class MicroBatchGraphs:
         for p in self.params:
             if p.grad is None:  # once: the buffers every replay adds into, zeroed in place after each step
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        if self.graph is not None and any(p.grad is not g for p, g in zip(self.params, self.grads)):
+            self.graph, self.loss = None, None  # .grad was replaced (set to None, reassigned): capture anew
         if not self.states:
             self.states = self._open_states()
         else:
@@ -158,6 +163,7 @@ class MicroBatchGraphs:
                 raise RuntimeError("trainer.cuda_graph: a capture must come on a step's first micro-batch")
             self._capture()
         self.graph.replay()
+        self.replays += 1
         return self.loss
 
     def end_step(self) -> None:
@@ -188,9 +194,12 @@ class MicroBatchGraphs:
                 self._run()
         torch.cuda.current_stream().wait_stream(side)
         torch._foreach_zero_([p.grad for p in self.params])
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.loss = self._run()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads' CUDA calls (a background checkpoint's writer, which can be
+        # writing the step before srelu24's switch) neither fail nor invalidate the capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            loss = self._run()
+        self.graph, self.loss, self.grads = graph, loss, [p.grad for p in self.params]
 
     def _open_states(self) -> list:
         """srelu24's step states, opened as training/step.py opens them eagerly (several micro-batches:

@@ -242,6 +242,8 @@ def run_loop(run: Run) -> Progress:
         raise
     finally:  # also on errors: leave the process as it was
         progress.stop.restore()
+        if parts.graphs is not None:  # its pool and the model's token-order buffer
+            parts.graphs.close()
         if clocks is not None:
             clocks.stop()
     return progress

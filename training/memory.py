@@ -140,9 +140,10 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         e.parts["FSDP all-gathered bf16 weights"] = (2 if bf16 else 4) * (P_root + 2 * P_block)
     e.parts["activations"] = int((L - n_ckpt) * per_block + n_ckpt * residual * d * T)
 
-    out_grad = 0 if grad_accumulation else 4 * vocab * d // shard  # else: already in the gradients
+    kept_grads = grad_accumulation or t.cuda_graph  # .grad exists before the backward (added into)
+    out_grad = 0 if kept_grads else 4 * vocab * d // shard  # else: already in the gradients
     head = 2 * act * T * vocab + out_grad
-    block = (out_grad + (0 if grad_accumulation else 4 * P_block // shard) + BLOCK_GRAD_TRANSIENT_BYTES * P_block
+    block = (out_grad + (0 if kept_grads else 4 * P_block // shard) + BLOCK_GRAD_TRANSIENT_BYTES * P_block
              + RESIDUAL_BACKWARD_BYTES_PER_D * (act // 2) * d * T + (per_block if n_ckpt else 0))
     e.transient = "loss head backward" if head >= block else "block backward"
     e.parts[f"largest transient ({e.transient})"] = int(max(head, block))
@@ -161,12 +162,12 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         # training/cuda_graph.py: the graph's private pool keeps what a micro-batch allocates, and an
         # eager micro-batch (the capture's warmup, a logged step) takes its own beside it; .grad
         # is allocated for the whole run
-        e.parts[GRAPH_POOL] = e.parts["activations"] + int(max(head, block))
+        e.parts[GRAPH_POOL] = e.parts["activations"] + int(max(head, block)) + e.parts.get(WEIGHT_COPIES, 0)
     resident = sum(v for k, v in e.parts.items()
                    if k not in ("gradients (fp32)", "activations", KEPT_CONVERSIONS, WEIGHT_COPIES, GRAPH_POOL)
                    and not k.startswith("largest transient"))
     backward = resident + e.parts["activations"] + max(head, block) + (e.parts["gradients (fp32)"]
-                                                                        if grad_accumulation or t.cuda_graph else 0)
+                                                                        if kept_grads else 0)
     backward += e.parts.get(KEPT_CONVERSIONS, 0) + e.parts.get(WEIGHT_COPIES, 0) + e.parts.get(GRAPH_POOL, 0)
     step = resident + e.parts["gradients (fp32)"]
     e.peak, e.peak_phase = (int(backward), "backward") if backward >= step else (int(step), "optimizer step")
