@@ -15,7 +15,9 @@ Each step is the trainer's own `training.step.train_step` (clipping, the non-fin
 FFN statistics on the config's logged steps, `--accum` micro-batches). Batches are random
 tokens of the experiment's micro-batch and sequence length ("data" is building them on the host
 and copying them to the device). srelu24 is measured in its 2:4 phase. tokens/s counts all ranks;
-MFU is per GPU. Rank 0 writes a table and benchmarks/results/bench_step.json.
+MFU is per GPU. Rank 0 writes a table and benchmarks/results/bench_step.json. With
+trainer.cuda_graph=true each micro-batch is one graph replay (training/cuda_graph.py), whose time
+the breakdown counts as forward; the first warmup step is a logged one and runs eagerly.
 
 At random init srelu's activations are about half zeros; a trained model's are 75-80% and more,
 and on a power-capped GPU dense GEMMs over zeros draw less power and clock higher. To measure at
