@@ -31,6 +31,7 @@ more than an eager run. Where it runs: one process, no activation checkpointing,
 a CUDA device (`graph_problem`). On a CPU the "graph" runs the micro-batch eagerly through the
 same buffers: the tests check the bookkeeping there, and the capture on a GPU.
 """
+import logging
 from typing import Callable, ContextManager, Optional
 
 import torch
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 from model.ffn import SReLU24
 from srelu24_kernels.srelu24.reference import random_token_orders
 
+log = logging.getLogger(__name__)
 WARMUP_RUNS = 2  # eager runs before a capture: the first compiles and searches, the second runs as it will
 
 
@@ -200,6 +202,8 @@ class MicroBatchGraphs:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             loss = self._run()
         self.graph, self.loss, self.grads = graph, loss, [p.grad for p in self.params]
+        log.info(f"trainer.cuda_graph: a micro-batch's forward and backward captured "
+                 f"({'2:4 phase' if self.phase and self.ffns else 'dense'}; logged steps run eagerly)")
 
     def _open_states(self) -> list:
         """srelu24's step states, opened as training/step.py opens them eagerly (several micro-batches:
