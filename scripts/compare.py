@@ -254,6 +254,7 @@ def summarize(run: Path, basis: str = "steady") -> dict:
     seed = OmegaConf.select(cfg, "trainer.seed", default=None) if cfg is not None else None
     return {
         "run": run.name, "variant": variant, "precision": precision_of(cfg, info), "seed": seed, "gpus": gpus,
+        "cuda_graph": bool(OmegaConf.select(cfg, "trainer.cuda_graph", default=False)) if cfg is not None else False,
         "params": params.get("total"), "non_embedding": params.get("non_embedding"),
         "tokens": rows[-1]["tokens"] if rows else 0,
         "final_loss": train[-1]["loss"] if train else None,
@@ -510,8 +511,9 @@ def write_layers_csv(rows: list[dict], path: Path) -> None:
 
 def label_runs(rows: list[dict]) -> None:
     """Names unique across inputs (file names) and labels: the variant, with its precision when the
-    runs' precisions differ ("srelu24 tensorwise": the row's `kind`); where a kind repeats, its
-    seed when that tells the runs apart, else the sweep choice, else the run."""
+    runs' precisions differ ("srelu24 tensorwise": the row's `kind`) and "graphed" when some ran with
+    trainer.cuda_graph and some without (the same losses, other speeds: never one configuration);
+    where a kind repeats, its seed when that tells the runs apart, else the sweep choice, else the run."""
     for r in rows:
         clash = sum(x["run"] == r["run"] for x in rows) > 1
         r["name"] = f"{r['_dir'].parent.name}_{r['run']}" if clash else r["run"]
@@ -520,8 +522,11 @@ def label_runs(rows: list[dict]) -> None:
         # names an ablation better than the FFN kind does
         r["choice"] = re.sub(r"^\d+_", "", r["run"])
     mixed = len({r.get("precision") for r in rows}) > 1
+    graphs_mixed = len({bool(r.get("cuda_graph")) for r in rows}) > 1
     for r in rows:
         r["kind"] = f"{r['variant']} {r['precision']}" if mixed and r.get("precision") else r["variant"]
+        if graphs_mixed and r.get("cuda_graph"):
+            r["kind"] += " graphed"
     for r in rows:
         same = [x for x in rows if x["kind"] == r["kind"]]
         seeds = {x.get("seed") for x in same}

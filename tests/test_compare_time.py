@@ -213,6 +213,19 @@ def test_labels_say_precision_only_when_runs_differ_in_it(tmp_path):
     assert [r["label"] for r in rows] == ["swiglu", "srelu24"]
 
 
+def test_graphed_runs_are_labelled_apart_only_beside_eager_ones(tmp_path):
+    """trainer.cuda_graph changes the speed, not the losses: beside eager runs a graphed one is its
+    own configuration ("graphed"), so times and seed pairs never mix the two."""
+    rows = [{"run": r, "variant": "srelu24", "precision": "tensorwise", "seed": 1337, "cuda_graph": g,
+             "_dir": tmp_path / r} for r, g in [("0_srelu24_tensorwise", False), ("1_srelu24_tensorwise", True)]]
+    compare.label_runs(rows)
+    assert [r["label"] for r in rows] == ["srelu24", "srelu24 graphed"]
+    for r in rows:
+        r["cuda_graph"] = True
+    compare.label_runs(rows)
+    assert [r["kind"] for r in rows] == ["srelu24", "srelu24"]
+
+
 def test_the_report_goes_to_the_runs_wandb_group_offline(study, monkeypatch, capsys):
     from wandb_records import history_keys, run_info
 
