@@ -178,6 +178,17 @@ def test_settings_the_graph_cannot_take_are_one_line(overrides, named):
     assert line.endswith("or set trainer.cuda_graph=false")
 
 
+def test_a_dry_run_plans_a_graphed_run_from_a_machine_without_a_gpu():
+    """The dry run's memory verdict counts the graph's pool (training/memory.py), so it takes the
+    setting anywhere; the other limits still hold."""
+    cfg = to_object(compose_config(["+experiment=demo", "trainer.cuda_graph=true", "trainer.dry_run=true",
+                                    "trainer.device=cpu"]))
+    check_config(cfg)
+    cfg.trainer.activation_checkpointing = type(cfg.trainer.activation_checkpointing)("full")
+    with pytest.raises(ConfigError, match="trainer.activation_checkpointing=none"):
+        check_config(cfg)
+
+
 def test_several_processes_are_refused_and_the_default_is_eager():
     assert "one process and trainer.strategy=none (got 2 process(es), strategy=ddp" in graph_problem(
         True, 2, "ddp", "none", "causal")

@@ -133,7 +133,8 @@ def check_config(cfg: Config, world_size: int = 1, rank: int = 0) -> None:
         raise ConfigError(f"trainer.precision={t.precision}: valid values are auto, bf16, fp32")
     if not _DEVICE.match(t.device):
         raise ConfigError(f"trainer.device={t.device}: valid values are auto, cpu, cuda, cuda:N")
-    cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
+    # a dry run plans a GPU run from any machine (its memory verdict counts the graph's pool)
+    cpu = not t.dry_run and (t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available()))
     problem = graph_problem(t.cuda_graph, world_size, t.strategy.value, t.activation_checkpointing.value,
                             m.attention.value, torch.device("cpu") if cpu else None)
     if problem:
