@@ -180,6 +180,8 @@ class MicroBatchGraphs:
         self.graph, self.loss, self.states, self.phase = None, None, [], None
         if self.model.__dict__.get("token_orders") is self.feed:
             del self.model.token_orders
+        if self.capture:
+            torch.cuda.empty_cache()  # the graph's private pool, which no later allocation reuses
 
     # ------------------------------------------------------------ inside
     def _run(self) -> Tensor:

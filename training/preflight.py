@@ -3,6 +3,7 @@ training/memory.py's estimate of the peak with what the device has (a GPU's free
 host's available RAM on the CPU). Above it the run stops with one line that names the estimate,
 the capacity and settings that fit, found by the estimator; within MARGIN of it, a warning. Every
 rank decides alike (the least capacity of all ranks); rank 0 prints. The dry run prints the same."""
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ def device_capacity(device: torch.device, configured_gib: Optional[float]) -> Op
     if configured_gib is not None:
         return Capacity(int(configured_gib * GiB), f"of trainer.memory_capacity_gib={configured_gib:g}", gpu)
     if gpu:
+        # an earlier job of a multirun in this process left its blocks in the caching allocator
+        # (and a CUDA graph's private pool), which mem_get_info counts as used: returned first
+        gc.collect()
+        torch.cuda.empty_cache()
         return Capacity(torch.cuda.mem_get_info(device)[0], f"free on {device}", True)
     from .checkpoint import available_host_bytes
 
