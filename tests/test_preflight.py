@@ -210,3 +210,13 @@ def check_a_7b_model_on_a_24_gib_cpu_exits_2_with_one_line_fast(tmp_path):
     assert lines[0].startswith("error: the estimated peak memory, 97.0 GiB per process") and "24.0 GiB" in lines[0]
     assert "the weights, gradients and AdamW state alone take 97.0 GiB" in lines[0]
     assert took < 60 and not (tmp_path / "run").exists()
+
+
+def test_a_gpus_free_memory_counts_what_an_earlier_job_in_this_process_left_cached(monkeypatch):
+    """A multirun's jobs share one process: the blocks an earlier job freed stay in the caching
+    allocator (and a CUDA graph's pool) and read as used until they are returned to the driver."""
+    cached = {"bytes": 40 * GiB}
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: cached.update(bytes=0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GiB - cached["bytes"], 80 * GiB))
+    cap = device_capacity(torch.device("cuda", 0), None)
+    assert cap.bytes == 80 * GiB and cap.gpu and cap.what == "free on cuda:0"
