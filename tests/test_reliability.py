@@ -777,3 +777,31 @@ def test_check_space_false_skips_the_check(tmp_path, corpus, cache, monkeypatch,
         train_in_process(tmp_path / "a", corpus, cache, ["trainer.max_steps=2"])
     train_in_process(tmp_path / "b", corpus, cache, ["trainer.max_steps=2", "trainer.check_space=false"])
     assert entries(tmp_path / "b" / "run" / "checkpoints") == ["step_00000002"]
+
+
+@pytest.mark.parametrize("ffn,compile", [("swiglu", False), ("srelu24", False), ("swiglu", True)])
+def test_a_finished_run_leaves_its_model_and_optimizer_to_the_next_job(tmp_path, corpus, cache, monkeypatch,
+                                                                        keep_signal_handlers, ffn, compile):
+    """A multirun's jobs share one process: once train() returns, nothing of the run holds its
+    weights, gradients or optimizer state, so the pre-flight (which returns the caching allocator's
+    free blocks first) sees the next job's memory as free."""
+    import gc
+    import weakref
+
+    import training.loop as loop
+
+    held = {}
+    step_parts = loop.step_parts
+
+    def watched(run):
+        parts = step_parts(run)
+        held.update(model=weakref.ref(run.model), optimizer=weakref.ref(run.optimizer),
+                    weight=weakref.ref(next(run.model.parameters())))
+        return parts
+
+    monkeypatch.setattr(loop, "step_parts", watched)
+    extra = [f"ffn={ffn}", f"trainer.compile={str(compile).lower()}", "trainer.ckpt_every=100"]
+    train_in_process(tmp_path, corpus, cache, extra + (["ffn.dense_warmup_steps=3"] if ffn == "srelu24" else []))
+    gc.collect()
+    alive = [name for name, ref in held.items() if ref() is not None]
+    assert held and not alive, f"still referenced after the run: {alive}"
