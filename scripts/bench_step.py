@@ -403,6 +403,8 @@ def bench(cfg, args, d) -> dict:
     kernels = profile_kernels(train_step_timed, args.profile) if args.profile and device.type == "cuda" else None
     host = profile_host(train_step_timed, args.profile_host) if args.profile_host else None
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None  # the steps' own
+    # reserved: also a CUDA graph's private pool, whose blocks stay reserved but unallocated between replays
+    peak_reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
     energy = (energy_accounting(cfg, model_cfg, opt, parts.params, B, S, args.energy, args.density)
               if args.energy and device.type == "cuda" else None)
     step = data + fw + bw + op
@@ -419,7 +421,7 @@ def bench(cfg, args, d) -> dict:
               "step_ms": step, "data_ms": data, "forward_ms": fw,
               "backward_ms": bw, "optimizer_ms": op, "tokens_per_s": tok_s,
               "mfu": size.flops_per_token * tok_s / d.world_size / peak if peak else None,
-              "peak_mem_gib": peak_mem, "attention": getattr(model_cfg.attention, "value", model_cfg.attention),
+              "peak_mem_gib": peak_mem, "peak_reserved_gib": peak_reserved, "attention": getattr(model_cfg.attention, "value", model_cfg.attention),
               "estimated_peak_gib": estimate(model_cfg, cfg.ffn, vocab, t, d.world_size, grad_accumulation=args.accum > 1,
                                              sparse_2to4=cfg.ffn.kind == "srelu24").peak / 2**30}
     if clocks is not None:  # a power-capped GPU: which variant lowers the clock for everything
