@@ -19,9 +19,10 @@ MICRO = 4
 
 
 def run(model, graphs: bool, steps: int = 6, accum: int = 2, sparse_from=2, log_every: int = 3,
-        capture: bool = False):
+        capture: bool = False, stats_every: int = 0):
     """`steps` optimizer steps: (the logged steps' losses, the final weights). capture: through the
-    capture path, on _FakeCapture's stand-ins."""
+    capture path, on _FakeCapture's stand-ins. stats_every: FFN statistics on these logged steps only
+    (0: every logged step)."""
     parts = parts_for(model, accum=accum, micro=MICRO, sparse_from=sparse_from)
     if graphs:
         parts.graphs = MicroBatchGraphs.for_step(parts, MICRO, S)
@@ -30,7 +31,9 @@ def run(model, graphs: bool, steps: int = 6, accum: int = 2, sparse_from=2, log_
     state, data = TrainState(), iter(batches(steps * accum, MICRO))
     losses = []
     for i in range(steps):
-        out = train_step(parts, state, data.__next__, log=(i + 1) % log_every == 0)
+        stats = (i + 1) % stats_every == 0 if stats_every else None
+        out = train_step(parts, state, data.__next__, log=(i + 1) % log_every == 0, stats=stats)
+        assert (out.stats is not None) == (out.loss is not None and stats is not False)
         if out.loss is not None:
             losses.append(out.loss)
     if graphs:
@@ -102,6 +105,17 @@ def test_the_capture_path_trains_as_the_eager_step(monkeypatch, kind, accum):
     graphed = run(tiny(kind), graphs=True, accum=accum, sparse_from=sparse_from, capture=True)
     assert_same(graphed, eager)
     assert _FakeCapture.replays == 4 * accum
+
+
+def test_logged_steps_without_statistics_replay_the_graph(monkeypatch):
+    """Every step logged, the FFN statistics on steps 3 and 6 only (trainer.ffn_stats_every=3): the
+    other four steps replay and their losses, read from the graph's output, are the eager ones."""
+    _FakeCapture.install(monkeypatch)
+    eager = run(tiny("srelu24"), graphs=False, log_every=1, stats_every=3)
+    graphed = run(tiny("srelu24"), graphs=True, log_every=1, stats_every=3, capture=True)
+    assert len(eager[0]) == 6
+    assert_same(graphed, eager)
+    assert _FakeCapture.replays == 4 * 2
 
 
 def test_a_replaced_gradient_buffer_is_captured_anew(monkeypatch):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import background, run_train, tiny_overrides, write_corpus
+from helpers import background, compose_config, run_train, tiny_overrides, with_cache, write_corpus
 from model import FFN_REGISTRY, FFNConfig, ModelConfig, Transformer
 from srelu24_kernels.srelu24.reference import mask_2to4
 from srelu24_kernels.ffn_stats import (DENSE_FEATURE_DENSITY, N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, derive,
@@ -96,6 +96,22 @@ def test_no_mfu_on_cpu_and_peak_table():
     out = meter.read()
     assert "mfu" not in out and out["tokens_per_s"] > 0
     assert out["step_time_s"] * 3 == pytest.approx(3000 / out["tokens_per_s"])
+
+
+def test_ffn_stats_every_keeps_the_statistics_to_those_logged_steps(tmp_path, corpus, cache):
+    """trainer.ffn_stats_every=4 with every step logged: every row has the loss, only steps 4 and 8
+    (and the last) have the per-layer statistics."""
+    from training.loop import train
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = with_cache(tiny_overrides(tmp_path, corpus, ["ffn=srelu24", "ffn.dense_warmup_steps=3",
+                                                        "trainer.ffn_stats_every=4", "trainer.ckpt_every=100"]), cache)
+    train(compose_config([a for a in args if not a.startswith("hydra.")]), run_dir, "stats_every")
+    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["step"] for r in rows if "layers" in r] == [4, 8]
+    assert all("act_sparsity_mean" in r for r in rows if "layers" in r)
 
 
 def offline_run(tmp_path):

@@ -64,6 +64,9 @@ class TrainerConfig:
     eval_every: int = 200
     eval_batches: int = 8        # a fixed validation subset of eval_batches * micro_batch_size windows
     log_every: int = 10
+    # the FFNs' activation statistics every this many steps (a multiple of log_every); 0: every
+    # logged step. Under cuda_graph a step with statistics runs eagerly, others replay the graph
+    ffn_stats_every: int = 0
     ckpt_every: int = 500
     keep_last: int = 3           # checkpoints kept in the run dir (0: all); older ones are deleted after a save
     nonfinite: str = "skip"      # a non-finite loss or gradient: skip (the step, counted) | stop (with the tensor)

@@ -75,7 +75,7 @@ RANGES = {
     "trainer.seq_len": POSITIVE, "trainer.batch_size": POSITIVE, "trainer.micro_batch_size": POSITIVE,
     "trainer.total_tokens": POSITIVE, "trainer.max_steps": Range(0, lo_open=True, also=(-1,), what="the token budget"),
     "trainer.stop_at_step": STEP_OR_OFF, "trainer.eval_every": POSITIVE, "trainer.eval_batches": POSITIVE,
-    "trainer.log_every": POSITIVE, "trainer.ckpt_every": POSITIVE, "trainer.keep_last": NON_NEGATIVE,
+    "trainer.log_every": POSITIVE, "trainer.ffn_stats_every": NON_NEGATIVE, "trainer.ckpt_every": POSITIVE, "trainer.keep_last": NON_NEGATIVE,
     "trainer.dist_timeout_s": POSITIVE, "trainer.num_threads": NON_NEGATIVE, "trainer.memory_capacity_gib": POSITIVE,
 }
 
@@ -127,6 +127,11 @@ def check_config(cfg: Config, world_size: int = 1, rank: int = 0) -> None:
     if total_steps(t) <= 0:
         raise ConfigError(f"trainer.total_tokens={t.total_tokens} is less than one step of "
                           f"{t.batch_size * t.seq_len} tokens; raise it or set trainer.max_steps")
+    if t.ffn_stats_every % t.log_every:
+        lo = t.ffn_stats_every // t.log_every * t.log_every
+        raise ConfigError(f"trainer.ffn_stats_every={t.ffn_stats_every} must be 0 or a multiple of trainer.log_every="
+                          f"{t.log_every} (statistics are logged with a step's row); set {lo or t.log_every} or "
+                          f"{lo + t.log_every}")
     if t.nonfinite not in ("skip", "stop"):
         raise ConfigError(f"trainer.nonfinite={t.nonfinite}: valid values are skip, stop")
     if t.precision not in ("auto", "bf16", "fp32"):

@@ -17,16 +17,17 @@ lives in a fixed buffer:
 - srelu24's step state (model/ffn.py, begin_step): opened once per 2:4 phase and kept; at each
   step its weights' e4m3 conversions are made afresh and copied into the buffers the graph reads.
 
-One graph per 2:4 phase (srelu24's dense warmup has its own, dropped at the switch). Logged steps
-run the same micro-batch eagerly: they collect the FFN statistics, other kernels, some of which
-copy from the host. The graph is captured on a step's first micro-batch, after two eager runs of
+One graph per 2:4 phase (srelu24's dense warmup has its own, dropped at the switch). Steps that
+collect the FFN statistics (every logged step, or every trainer.ffn_stats_every steps) run the
+same micro-batch eagerly: the statistics are other kernels, some of which copy from the host;
+other logged steps replay and read the graph's loss. The graph is captured on a step's first micro-batch, after two eager runs of
 it on a side stream (compilation, cuSPARSELt's plans and id search, cuBLAS workspaces) whose
 gradients are zeroed. Hand-made rather than torch.compile's mode="reduce-overhead": its cudagraph
 trees hand a graph's output buffers to the next replay, which broke gradient accumulation
 (lab/LOG.md).
 
 Memory: the graph's pool keeps one micro-batch's activations for the graph's life, and the
-eager runs (warmup, logged steps) allocate theirs beside it: up to one micro-batch's activations
+eager runs (warmup, steps with statistics) allocate theirs beside it: up to one micro-batch's activations
 more than an eager run. Where it runs: one process, no activation checkpointing, causal attention,
 a CUDA device (`graph_problem`). On a CPU the "graph" runs the micro-batch eagerly through the
 same buffers: the tests check the bookkeeping there, and the capture on a GPU.
@@ -116,7 +117,7 @@ class MicroBatchGraphs:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.loss: Optional[Tensor] = None  # the graph's output
         self.grads: list = []               # the .grad tensors the graph adds into
-        self.eager = True                   # this step runs eagerly (a logged step)
+        self.eager = True                   # this step runs eagerly (one with FFN statistics)
         self.index = 0                      # the step's micro-batches so far
         self.replays = 0                    # micro-batches replayed from the graph, all steps
 
@@ -127,7 +128,7 @@ class MicroBatchGraphs:
                    parts.dist.device)
 
     # ------------------------------------------------------------ a step
-    def begin_step(self, sparse_on: bool, log: bool) -> None:
+    def begin_step(self, sparse_on: bool, stats: bool) -> None:
         """Before a step's first micro-batch (after model.set_2to4 and collect_ffn_stats)."""
         if sparse_on != self.phase:  # the first step, or srelu24's switch to 2:4: a new graph
             self.graph, self.loss, self.phase = None, None, sparse_on
@@ -147,7 +148,7 @@ class MicroBatchGraphs:
             self._refresh_conversions()
         for m, st in zip(self.ffns, self.states):
             m.step_state = st
-        self.eager, self.index = log or not self.capture, 0
+        self.eager, self.index = stats or not self.capture, 0
 
     def micro(self, x: Tensor, y: Tensor) -> Tensor:
         """One micro-batch's forward and backward; its loss (detached)."""
@@ -205,7 +206,7 @@ class MicroBatchGraphs:
             loss = self._run()
         self.graph, self.loss, self.grads = graph, loss, [p.grad for p in self.params]
         log.info(f"trainer.cuda_graph: a micro-batch's forward and backward captured "
-                 f"({'2:4 phase' if self.phase and self.ffns else 'dense'}; logged steps run eagerly)")
+                 f"({'2:4 phase' if self.phase and self.ffns else 'dense'}; steps with FFN statistics run eagerly)")
 
     def _open_states(self) -> list:
         """srelu24's step states, opened as training/step.py opens them eagerly (several micro-batches:

@@ -268,12 +268,13 @@ def one_step(run: Run, parts: StepParts, meter: Throughput, bar, progress: Progr
     cfg, t, state, device = run.cfg, run.cfg.trainer, run.state, run.d.device
     done = state.step + 1
     log_now = done % t.log_every == 0 or done == run.steps
+    stats_now = log_now and (t.ffn_stats_every == 0 or done % t.ffn_stats_every == 0 or done == run.steps)
 
     def next_batch():
         x, y = run.loader.next_batch()  # this rank's part of the global batch
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
-    out = train_step(parts, state, next_batch, log=log_now, stop_requested=lambda: progress.stop.requested is not None)
+    out = train_step(parts, state, next_batch, log=log_now, stats=stats_now, stop_requested=lambda: progress.stop.requested is not None)
     if run.ckpt.wants_prepare:  # the optimizer has its state now: background saves' host copy, allocated meanwhile
         run.ckpt.prepare(dict(zip(("model", "optimizer"), get_state_dict(run.model, run.optimizer))))
     meter.data_time(out.data_s)
@@ -284,8 +285,9 @@ def one_step(run: Run, parts: StepParts, meter: Throughput, bar, progress: Progr
         progress.train_loss = out.loss
         row.update(loss=out.loss, lr=out.lr, grad_norm=out.grad_norm, **meter.read(),
                    mode_2to4=int(out.sparse_on), skipped_steps=state.skipped_steps)
-        row["layers"] = derive(out.stats, cfg.ffn.kind == "srelu24")
-        row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
+        if out.stats is not None:
+            row["layers"] = derive(out.stats, cfg.ffn.kind == "srelu24")
+            row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
         bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
     if done % t.eval_every == 0 or done == run.steps:
         meter.pause()

@@ -109,11 +109,12 @@ class StepResult:
 
 
 def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
-               log: bool = False, stop_requested: Callable[[], bool] = lambda: False,
+               log: bool = False, stats: Optional[bool] = None, stop_requested: Callable[[], bool] = lambda: False,
                mark: Optional[Callable[[str], None]] = None) -> StepResult:
     """One optimizer step from `state.step`; advances `state`. `next_batch` gives this rank's
-    (x, y) micro-batch on the device. `log`: collect the FFN statistics and read the loss back
-    (the only host syncs besides the non-finite check, which has none when `p.skip_on_device`).
+    (x, y) micro-batch on the device. `log`: read the loss and gradient norm back (the only host
+    syncs besides the non-finite check, which has none when `p.skip_on_device`); `stats`: also
+    collect the FFN statistics (default: as `log`; only on a logged step).
     `mark(phase)` is called after each phase ("optimizer" for the step state's opening, then
     "data", "forward", "backward" per micro-batch, then "optimizer"), for the benchmark.
     `stop_requested()` is asked after the backward (a signal that came during the step still stops
@@ -122,13 +123,14 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
     model, d, step = p.model, p.dist, state.step
     sparse_on = p.sparse_from is not None and step >= p.sparse_from
     model.set_2to4(sparse_on)
-    model.collect_ffn_stats(log)  # statistics of the logged step only: free on the others
+    stats = log if stats is None else stats and log
+    model.collect_ffn_stats(stats)  # statistics of these steps only: free on the others
     lr = p.lr_at(step)
     for group in p.optimizer.param_groups:
         group["lr"] = lr
 
     loss_sum, data_s = torch.zeros((), device=d.device), 0.0
-    with micro_batch_state(p, sparse_on, log):
+    with micro_batch_state(p, sparse_on, stats):
         mark("optimizer")  # srelu24's weight conversions for the step: the optimizer's work, not data's
         for micro in range(p.accum):
             t0 = time.perf_counter()
@@ -173,10 +175,11 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
 
     out = StepResult(lr=lr, sparse_on=sparse_on, applied=applied, stop=stop, data_s=data_s)
     if log:
-        model.collect_ffn_stats(False)
         out.loss = (sum_over_ranks(loss_sum / p.accum, d) / d.world_size).item()
         out.grad_norm = grad_norm.item()
-        out.stats = sum_over_ranks(model.pop_ffn_stats(), d).cpu()
+        if stats:
+            model.collect_ffn_stats(False)
+            out.stats = sum_over_ranks(model.pop_ffn_stats(), d).cpu()
         if out.applied is None:
             out.applied = math.isfinite(out.grad_norm)
             state.settle_skipped()
@@ -184,12 +187,12 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
 
 
 @contextmanager
-def micro_batch_state(p: StepParts, sparse_on: bool, log: bool):
+def micro_batch_state(p: StepParts, sparse_on: bool, stats: bool):
     """What a step's micro-batches share, opened before the first and closed after the last, also on
     errors: srelu24's step state (model/ffn.py), or under trainer.cuda_graph the graph's buffers,
     which keep it."""
     if p.graphs is not None:
-        p.graphs.begin_step(sparse_on, log)
+        p.graphs.begin_step(sparse_on, stats)
         try:
             yield
         finally:
