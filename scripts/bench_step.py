@@ -12,12 +12,15 @@ step-time breakdown (data, forward, backward, optimizer), on one device or under
 The model is built exactly as the trainer builds it (training/distributed.py: meta device,
 activation checkpointing, torch.compile per block, FSDP2 / DDP, bf16 as the trainer uses it).
 Each step is the trainer's own `training.step.train_step` (clipping, the non-finite check, the
-FFN statistics on the config's logged steps, `--accum` micro-batches). Batches are random
+FFN statistics on the config's logged steps or every trainer.ffn_stats_every, `--accum`
+micro-batches). Batches are random
 tokens of the experiment's micro-batch and sequence length ("data" is building them on the host
 and copying them to the device). srelu24 is measured in its 2:4 phase. tokens/s counts all ranks;
 MFU is per GPU. Rank 0 writes a table and benchmarks/results/bench_step.json. With
 trainer.cuda_graph=true each micro-batch is one graph replay (training/cuda_graph.py), whose time
-the breakdown counts as forward; the first warmup step is a logged one and runs eagerly.
+the breakdown counts as forward; the first warmup step collects the statistics and runs eagerly,
+as a timed step that collects them does (one in five at the studies' log_every 5, unless
+trainer.ffn_stats_every is set higher).
 
 At random init srelu's activations are about half zeros; a trained model's are 75-80% and more,
 and on a power-capped GPU dense GEMMs over zeros draw less power and clock higher. To measure at
@@ -76,7 +79,7 @@ from training.distributed import build_model, exit_process, setup, shutdown  # n
 from training.errors import ConfigError  # noqa: E402
 from training.float8 import check as float8_check  # noqa: E402
 from training.logger import environment  # noqa: E402
-from training.loop import autocast_for, prepare_data, use_bf16  # noqa: E402
+from training.loop import autocast_for, logged, prepare_data, use_bf16  # noqa: E402
 from training.metrics import peak_flops  # noqa: E402
 from training.memory import estimate  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
@@ -389,8 +392,9 @@ def bench(cfg, args, d) -> dict:
 
     def train_step_timed(log: bool = None) -> None:
         clock.start()
-        log = (state.step + 1) % t.log_every == 0 if log is None else log  # statistics on the trainer's logged steps
-        train_step(parts, state, next_batch, log=log, mark=clock.mark)
+        # the trainer's logged steps, and its steps with the FFN statistics (eager under cuda_graph)
+        log, stats = logged(t, state.step + 1) if log is None else (log, log)
+        train_step(parts, state, next_batch, log=log, stats=stats, mark=clock.mark)
 
     for i in range(max(args.warmup, 2)):  # a logged step too: it compiles its own graph (the statistics)
         train_step_timed(log=i == 0)

@@ -255,6 +255,7 @@ def summarize(run: Path, basis: str = "steady") -> dict:
     return {
         "run": run.name, "variant": variant, "precision": precision_of(cfg, info), "seed": seed, "gpus": gpus,
         "cuda_graph": bool(OmegaConf.select(cfg, "trainer.cuda_graph", default=False)) if cfg is not None else False,
+        "ffn_stats_every": OmegaConf.select(cfg, "trainer.ffn_stats_every", default=0) if cfg is not None else 0,
         "params": params.get("total"), "non_embedding": params.get("non_embedding"),
         "tokens": rows[-1]["tokens"] if rows else 0,
         "final_loss": train[-1]["loss"] if train else None,
@@ -512,7 +513,8 @@ def write_layers_csv(rows: list[dict], path: Path) -> None:
 def label_runs(rows: list[dict]) -> None:
     """Names unique across inputs (file names) and labels: the variant, with its precision when the
     runs' precisions differ ("srelu24 tensorwise": the row's `kind`) and "graphed" when some ran with
-    trainer.cuda_graph and some without (the same losses, other speeds: never one configuration);
+    trainer.cuda_graph and some without (the same losses, other speeds: never one configuration), and
+    "stats/N" when graphed runs differ in trainer.ffn_stats_every (N: how often a step runs eagerly);
     where a kind repeats, its seed when that tells the runs apart, else the sweep choice, else the run."""
     for r in rows:
         clash = sum(x["run"] == r["run"] for x in rows) > 1
@@ -523,10 +525,13 @@ def label_runs(rows: list[dict]) -> None:
         r["choice"] = re.sub(r"^\d+_", "", r["run"])
     mixed = len({r.get("precision") for r in rows}) > 1
     graphs_mixed = len({bool(r.get("cuda_graph")) for r in rows}) > 1
+    stats_mixed = len({r.get("ffn_stats_every") or 0 for r in rows if r.get("cuda_graph")}) > 1
     for r in rows:
         r["kind"] = f"{r['variant']} {r['precision']}" if mixed and r.get("precision") else r["variant"]
         if graphs_mixed and r.get("cuda_graph"):
             r["kind"] += " graphed"
+        if stats_mixed and r.get("cuda_graph"):
+            r["kind"] += f" stats/{r.get('ffn_stats_every') or 'log'}"
     for r in rows:
         same = [x for x in rows if x["kind"] == r["kind"]]
         seeds = {x.get("seed") for x in same}

@@ -224,6 +224,9 @@ def test_graphed_runs_are_labelled_apart_only_beside_eager_ones(tmp_path):
         r["cuda_graph"] = True
     compare.label_runs(rows)
     assert [r["kind"] for r in rows] == ["srelu24", "srelu24"]
+    rows[1]["ffn_stats_every"] = 25  # a graphed run's eager steps: one in 25 against every logged one
+    compare.label_runs(rows)
+    assert [r["kind"] for r in rows] == ["srelu24 stats/log", "srelu24 stats/25"]
 
 
 def test_the_report_goes_to_the_runs_wandb_group_offline(study, monkeypatch, capsys):

@@ -290,7 +290,8 @@ def test_out_of_range_setting_is_one_line_and_exit_2(key, tmp_path, capsys):
                                              ("trainer.ffn_stats_every=15",
                                               "trainer.ffn_stats_every=15 must be 0 or a multiple of "
                                               "trainer.log_every=10 (statistics are logged with a step's row); "
-                                              "set 10 or 20")])
+                                              "set 10 or 20"),
+                                             ("trainer.ffn_stats_every=5", "set 0 (every logged step) or 10")])
 def test_bad_string_settings_are_one_line(override, named):
     from training.config_checks import check_config
     from training.errors import ConfigError

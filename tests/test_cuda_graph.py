@@ -29,16 +29,18 @@ def run(model, graphs: bool, steps: int = 6, accum: int = 2, sparse_from=2, log_
         parts.graphs.capture = capture
         _FakeCapture.runner = parts.graphs
     state, data = TrainState(), iter(batches(steps * accum, MICRO))
-    losses = []
+    losses, collected = [], {}
     for i in range(steps):
         stats = (i + 1) % stats_every == 0 if stats_every else None
         out = train_step(parts, state, data.__next__, log=(i + 1) % log_every == 0, stats=stats)
         assert (out.stats is not None) == (out.loss is not None and stats is not False)
         if out.loss is not None:
             losses.append(out.loss)
+        if out.stats is not None:
+            collected[i + 1] = out.stats
     if graphs:
         parts.graphs.close()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, collected
 
 
 class _FakeCapture:
@@ -109,12 +111,18 @@ def test_the_capture_path_trains_as_the_eager_step(monkeypatch, kind, accum):
 
 def test_logged_steps_without_statistics_replay_the_graph(monkeypatch):
     """Every step logged, the FFN statistics on steps 3 and 6 only (trainer.ffn_stats_every=3): the
-    other four steps replay and their losses, read from the graph's output, are the eager ones."""
+    other four steps replay and their losses, read from the graph's output, are the eager ones; the
+    statistics of steps 3 and 6 are those of a run that collects them on every step (no sums leak
+    from the replayed steps into them)."""
     _FakeCapture.install(monkeypatch)
+    every = run(tiny("srelu24"), graphs=False, log_every=1)
     eager = run(tiny("srelu24"), graphs=False, log_every=1, stats_every=3)
     graphed = run(tiny("srelu24"), graphs=True, log_every=1, stats_every=3, capture=True)
-    assert len(eager[0]) == 6
+    assert len(eager[0]) == 6 and sorted(graphed[2]) == sorted(eager[2]) == [3, 6]
     assert_same(graphed, eager)
+    assert_same(eager, every)
+    for step in (3, 6):
+        assert torch.equal(graphed[2][step], every[2][step]) and torch.equal(eager[2][step], every[2][step]), step
     assert _FakeCapture.replays == 4 * 2
 
 
@@ -216,8 +224,9 @@ def test_several_processes_are_refused_and_the_default_is_eager():
 def test_the_captured_step_trains_as_the_eager_step_on_the_gpu(kind):
     """The real capture, the model built as the trainer builds it (float8 tensorwise where the GPU
     has it, compiled blocks and loss head, srelu24's kernels and step state): the same losses and
-    weights as eager, bit for bit, through the switch to 2:4 and logged steps, wherever the eager
-    run repeats itself bit for bit (else within twice its own spread)."""
+    weights as eager, bit for bit, through the switch to 2:4 and logged steps (step 3 without the FFN
+    statistics: its loss read from the replayed graph), wherever the eager run repeats itself bit
+    for bit (else within twice its own spread)."""
     from model import FFNConfig, ModelConfig, Transformer
     from training.config import Float8, TrainerConfig
     from training.distributed import Dist, build_model
@@ -245,9 +254,9 @@ def test_the_captured_step_trains_as_the_eager_step_on_the_gpu(kind):
         torch.manual_seed(11)  # the token orders' generator, the same for every run
         state, losses = TrainState(), []
         for i in range(6):
-            losses.append(train_step(parts, state, data.__next__, log=i in (3, 5)).loss)
-        if graphs:  # steps 0-2 and 4 replayed (3 and 5 are logged: eager), 2 micro-batches each
-            assert parts.graphs.replays == 8
+            losses.append(train_step(parts, state, data.__next__, log=i in (3, 5), stats=i == 5).loss)
+        if graphs:  # steps 0-4 replayed (5 collects the statistics: eager), 2 micro-batches each
+            assert parts.graphs.replays == 10
             parts.graphs.close()
         return losses, {n: p.detach().float().clone() for n, p in m.named_parameters()}
 

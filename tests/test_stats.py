@@ -99,18 +99,18 @@ def test_no_mfu_on_cpu_and_peak_table():
 
 
 def test_ffn_stats_every_keeps_the_statistics_to_those_logged_steps(tmp_path, corpus, cache):
-    """trainer.ffn_stats_every=4 with every step logged: every row has the loss, only steps 4 and 8
-    (and the last) have the per-layer statistics."""
+    """trainer.ffn_stats_every=3 with every step logged: every row has the loss, only steps 3 and 6
+    and the last (8) have the per-layer statistics."""
     from training.loop import train
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     args = with_cache(tiny_overrides(tmp_path, corpus, ["ffn=srelu24", "ffn.dense_warmup_steps=3",
-                                                        "trainer.ffn_stats_every=4", "trainer.ckpt_every=100"]), cache)
+                                                        "trainer.ffn_stats_every=3", "trainer.ckpt_every=100"]), cache)
     train(compose_config([a for a in args if not a.startswith("hydra.")]), run_dir, "stats_every")
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, 9))
-    assert [r["step"] for r in rows if "layers" in r] == [4, 8]
+    assert [r["step"] for r in rows if "layers" in r] == [3, 6, 8]
     assert all("act_sparsity_mean" in r for r in rows if "layers" in r)
 
 

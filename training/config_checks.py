@@ -130,8 +130,8 @@ def check_config(cfg: Config, world_size: int = 1, rank: int = 0) -> None:
     if t.ffn_stats_every % t.log_every:
         lo = t.ffn_stats_every // t.log_every * t.log_every
         raise ConfigError(f"trainer.ffn_stats_every={t.ffn_stats_every} must be 0 or a multiple of trainer.log_every="
-                          f"{t.log_every} (statistics are logged with a step's row); set {lo or t.log_every} or "
-                          f"{lo + t.log_every}")
+                          f"{t.log_every} (statistics are logged with a step's row); set "
+                          f"{lo if lo else '0 (every logged step)'} or {lo + t.log_every}")
     if t.nonfinite not in ("skip", "stop"):
         raise ConfigError(f"trainer.nonfinite={t.nonfinite}: valid values are skip, stop")
     if t.precision not in ("auto", "bf16", "fp32"):

@@ -28,7 +28,7 @@ from srelu24_kernels.ffn_stats import derive
 from .checkpoint import (Checkpointer, check_model_shape, find_resume_checkpoint, load_into, load_rank_state,
                          model_shape, rng_state, set_rng_state)
 from .cli import hydra_only
-from .config import Config, Strategy
+from .config import Config, Strategy, TrainerConfig
 from .distributed import Dist, agree, broadcast_object, build_model, launch_env, local, setup, shutdown
 from .errors import TrainingError
 from .logger import RunLogger, end_summary, environment, startup_summary
@@ -209,6 +209,7 @@ class Progress:
     val_loss: float = math.nan
     speeds: list = field(default_factory=list)   # tokens/s of each logged interval
     last_row: dict = field(default_factory=dict)  # the last logged row with a speed
+    act_sparsity_mean: Optional[float] = None     # of the last step with FFN statistics
 
 
 def run_loop(run: Run) -> Progress:
@@ -242,10 +243,10 @@ def run_loop(run: Run) -> Progress:
         raise
     finally:  # also on errors: leave the process as it was
         progress.stop.restore()
-        if parts.graphs is not None:  # its pool and the model's token-order buffer
-            parts.graphs.close()
         if clocks is not None:
             clocks.stop()
+        if parts.graphs is not None:  # its pool and the model's token-order buffer (after a CUDA error, may raise)
+            parts.graphs.close()
     return progress
 
 
@@ -262,13 +263,19 @@ def step_parts(run: Run) -> StepParts:
     return parts
 
 
+def logged(t: TrainerConfig, done: int, last: bool = False) -> tuple[bool, bool]:
+    """Whether step `done` (1-based) logs its row, and whether it collects the FFN statistics
+    (trainer.ffn_stats_every; a graphed step that does runs eagerly). The last step does both."""
+    log = done % t.log_every == 0 or last
+    return log, log and (t.ffn_stats_every == 0 or done % t.ffn_stats_every == 0 or last)
+
+
 def one_step(run: Run, parts: StepParts, meter: Throughput, bar, progress: Progress) -> tuple[int, bool]:
     """One optimizer step, then its log row, evaluation and checkpoint as due. Returns the step
     and whether a signal asks to stop (on any rank)."""
     cfg, t, state, device = run.cfg, run.cfg.trainer, run.state, run.d.device
     done = state.step + 1
-    log_now = done % t.log_every == 0 or done == run.steps
-    stats_now = log_now and (t.ffn_stats_every == 0 or done % t.ffn_stats_every == 0 or done == run.steps)
+    log_now, stats_now = logged(t, done, last=done == run.steps)
 
     def next_batch():
         x, y = run.loader.next_batch()  # this rank's part of the global batch
@@ -288,6 +295,7 @@ def one_step(run: Run, parts: StepParts, meter: Throughput, bar, progress: Progr
         if out.stats is not None:
             row["layers"] = derive(out.stats, cfg.ffn.kind == "srelu24")
             row["act_sparsity_mean"] = sum(row["layers"]["act_sparsity"]) / cfg.model.n_layers
+            progress.act_sparsity_mean = row["act_sparsity_mean"]
         bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
     if done % t.eval_every == 0 or done == run.steps:
         meter.pause()
@@ -346,9 +354,11 @@ def teardown(run: Run, progress: Progress) -> dict:
                "params_total": run.size.total, "params_non_embedding": run.size.non_embedding}
     if progress.speeds:
         summary["tokens_per_s_median"] = statistics.median(progress.speeds[1:] or progress.speeds)  # the first interval warms up
-    for key in ("mfu", "mem_allocated_gib", "act_sparsity_mean"):
+    for key in ("mfu", "mem_allocated_gib"):
         if key in progress.last_row:
             summary[f"final_{key}"] = progress.last_row[key]
+    if progress.act_sparsity_mean is not None:  # a stop between trainer.ffn_stats_every steps logs none
+        summary["final_act_sparsity_mean"] = progress.act_sparsity_mean
     try:
         run.ckpt.close()  # the last save is complete before the run reports its end
     except BaseException:  # it failed (a full disk): its error is the run's end, the logs still closed

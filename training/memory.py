@@ -160,7 +160,7 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
 
     if t.cuda_graph:
         # training/cuda_graph.py: the graph's private pool keeps what a micro-batch allocates, and an
-        # eager micro-batch (the capture's warmup, a logged step) takes its own beside it; .grad
+        # eager micro-batch (the capture's warmup, a step with FFN statistics) takes its own beside it; .grad
         # is allocated for the whole run
         e.parts[GRAPH_POOL] = e.parts["activations"] + int(max(head, block)) + e.parts.get(WEIGHT_COPIES, 0)
     resident = sum(v for k, v in e.parts.items()

@@ -105,7 +105,7 @@ class StepResult:
     data_s: float                 # host time spent getting batches
     loss: Optional[float] = None  # logged steps: mean over micro-batches and ranks
     grad_norm: Optional[float] = None
-    stats: Optional[Tensor] = None  # logged steps: FFN statistics summed over ranks (srelu24_kernels/ffn_stats.py derive)
+    stats: Optional[Tensor] = None  # steps with statistics: FFN statistics summed over ranks (srelu24_kernels/ffn_stats.py derive)
 
 
 def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
