@@ -13,9 +13,8 @@ The model is built exactly as the trainer builds it (training/distributed.py: me
 activation checkpointing, torch.compile per block, FSDP2 / DDP, bf16 as the trainer uses it).
 Each step is the trainer's own `training.step.train_step` (clipping, the non-finite check, the
 FFN statistics on the config's logged steps or every trainer.ffn_stats_every, `--accum`
-micro-batches). Batches are random
-tokens of the experiment's micro-batch and sequence length ("data" is building them on the host
-and copying them to the device). srelu24 is measured in its 2:4 phase. tokens/s counts all ranks;
+micro-batches). Batches are random tokens of the experiment's micro-batch and sequence length
+("data" is building them on the host and copying them to the device). srelu24 is measured in its 2:4 phase. tokens/s counts all ranks;
 MFU is per GPU. Rank 0 writes a table and benchmarks/results/bench_step.json. With
 trainer.cuda_graph=true each micro-batch is one graph replay (training/cuda_graph.py), whose time
 the breakdown counts as forward; the first warmup step collects the statistics and runs eagerly,

@@ -20,15 +20,15 @@ lives in a fixed buffer:
 One graph per 2:4 phase (srelu24's dense warmup has its own, dropped at the switch). Steps that
 collect the FFN statistics (every logged step, or every trainer.ffn_stats_every steps) run the
 same micro-batch eagerly: the statistics are other kernels, some of which copy from the host;
-other logged steps replay and read the graph's loss. The graph is captured on a step's first micro-batch, after two eager runs of
-it on a side stream (compilation, cuSPARSELt's plans and id search, cuBLAS workspaces) whose
+other logged steps replay and read the graph's loss. The graph is captured on a step's first
+micro-batch, after two eager runs of it on a side stream (compilation, cuSPARSELt's plans and id search, cuBLAS workspaces) whose
 gradients are zeroed. Hand-made rather than torch.compile's mode="reduce-overhead": its cudagraph
 trees hand a graph's output buffers to the next replay, which broke gradient accumulation
 (lab/LOG.md).
 
 Memory: the graph's pool keeps one micro-batch's activations for the graph's life, and the
-eager runs (warmup, steps with statistics) allocate theirs beside it: up to one micro-batch's activations
-more than an eager run. Where it runs: one process, no activation checkpointing, causal attention,
+eager runs (warmup, steps with statistics) allocate theirs beside it: up to one micro-batch's
+activations more than an eager run. Where it runs: one process, no activation checkpointing, causal attention,
 a CUDA device (`graph_problem`). On a CPU the "graph" runs the micro-batch eagerly through the
 same buffers: the tests check the bookkeeping there, and the capture on a GPU.
 """
