@@ -238,12 +238,20 @@ def _grad_buffer(p: nn.Parameter) -> Optional[Tensor]:
     return g if g.dtype == p.dtype and g.shape == p.shape and g.is_contiguous() else None
 
 
+def conversions_kept(model: nn.Module, several: bool) -> bool:
+    """Whether srelu24's step state keeps the weights' e4m3 conversions for a step of `several`
+    micro-batches or one: kept across several always; for one under the tensorwise recipe too, where
+    two passes over each weight make all four (srelu24_kernels/float8/weights.py) and the op, making
+    them at each use, would read each weight more often."""
+    return several or any(m.options.float8 == "tensorwise" for m in model.modules() if isinstance(m, SReLU24))
+
+
 @contextmanager
 def srelu24_step(model: nn.Module, keep_conversions: bool, grads_in_place: bool):
     """The state that every srelu24 FFN of `model` shares across one optimizer step's micro-batches
     (srelu24_kernels/srelu24/options.py, StepState), opened on entry and dropped on exit, also on errors.
-    training/step.py opens it around the micro-batches, with keep_conversions where there are
-    several of them and the weights stay put between them (not FSDP2), and grads_in_place where
+    training/step.py opens it around the micro-batches, with keep_conversions where
+    `conversions_kept` says and the weights stay put between them (not FSDP2), and grads_in_place where
     also autograd's accumulation is nobody else's business (not DDP's reducer, not FSDP2)."""
     ffns = [m for m in model.modules() if isinstance(m, SReLU24)]
     try:

@@ -354,3 +354,32 @@ def test_the_memory_estimate_counts_the_kept_conversions_under_accumulation():
         assert KEPT_CONVERSIONS not in estimate(m, f, 32000, other).parts
     assert KEPT_CONVERSIONS not in estimate(m, replace(f, sparse_float8=False), 32000, accum).parts
     assert KEPT_CONVERSIONS not in estimate(m, FFNConfig(kind="srelu"), 32000, accum).parts
+
+
+def test_tensorwise_keeps_the_conversions_of_one_micro_batch_too():
+    """Two passes over each weight make all four conversions under tensorwise
+    (srelu24_kernels/float8/weights.py), fewer than the op's one-by-one conversions at each use:
+    kept with one micro-batch too; rowwise and bf16 keep them across several only."""
+    from torch import nn
+
+    from model.ffn import SReLU24, conversions_kept
+    from srelu24_kernels.srelu24.options import OpOptions
+
+    def model(float8):
+        return nn.Sequential(SReLU24(64, 64, OpOptions(float8=float8)), nn.Linear(4, 4))
+
+    assert conversions_kept(model("tensorwise"), several=False)
+    assert not conversions_kept(model("rowwise"), several=False) and conversions_kept(model("rowwise"), several=True)
+    assert not conversions_kept(model("none"), several=False)
+    assert not conversions_kept(nn.Linear(4, 4), several=False)
+
+
+def test_the_memory_estimate_counts_tensorwises_kept_conversions_with_one_micro_batch():
+    from model import FFNConfig, ModelConfig
+    from training.config import Float8, TrainerConfig
+    from training.memory import KEPT_CONVERSIONS, estimate
+
+    m = ModelConfig(name="1b", dim=2048, n_layers=20, n_heads=16, swiglu_hidden=5632)
+    one = TrainerConfig(seq_len=2048, batch_size=8, micro_batch_size=8, float8=Float8.tensorwise)
+    assert KEPT_CONVERSIONS in estimate(m, FFNConfig(kind="srelu24"), 32000, one).parts
+    assert KEPT_CONVERSIONS not in estimate(m, FFNConfig(kind="srelu24"), 32000, replace(one, float8=Float8.rowwise)).parts

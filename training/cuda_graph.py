@@ -15,7 +15,8 @@ lives in a fixed buffer:
   (which adds its weight gradients itself under accumulation) do eagerly (a .grad replaced
   between steps gets a new capture);
 - srelu24's step state (model/ffn.py, begin_step): opened once per 2:4 phase and kept; at each
-  step its weights' e4m3 conversions are made afresh and copied into the buffers the graph reads.
+  step its weights' e4m3 conversions are made afresh, written into the buffers the graph reads
+  (under tensorwise; copied there under rowwise).
 
 One graph per 2:4 phase (srelu24's dense warmup has its own, dropped at the switch). Steps that
 collect the FFN statistics (every logged step, or every trainer.ffn_stats_every steps) run the
@@ -38,7 +39,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 from torch import Tensor, nn
 
-from model.ffn import SReLU24
+from model.ffn import SReLU24, conversions_kept
 from srelu24_kernels.srelu24.reference import random_token_orders
 
 log = logging.getLogger(__name__)
@@ -209,21 +210,20 @@ class MicroBatchGraphs:
                  f"({'2:4 phase' if self.phase and self.ffns else 'dense'}; steps with FFN statistics run eagerly)")
 
     def _open_states(self) -> list:
-        """srelu24's step states, opened as training/step.py opens them eagerly (several micro-batches:
-        kept conversions, gradients added into .grad) and kept for the phase."""
+        """srelu24's step states, opened as training/step.py opens them eagerly (kept conversions where
+        conversions_kept says; several micro-batches: gradients added into .grad) and kept for the phase."""
         several = self.accum > 1
         states = []
         for m in self.ffns:
-            m.begin_step(keep_conversions=several, grads_in_place=several)
+            m.begin_step(keep_conversions=conversions_kept(m, several), grads_in_place=several)
             states.append(m.step_state)
         return states
 
     def _refresh_conversions(self) -> None:
-        """The current weights' e4m3 conversions, copied into the kept ones (the graph's buffers)."""
+        """The current weights' e4m3 conversions, written into the kept ones (the graph's buffers)."""
         from srelu24_kernels.srelu24.op import convert_weights
 
         with torch.no_grad():
             for m, st in zip(self.ffns, self.states):
                 if st is not None and st.weights is not None:
-                    fresh = convert_weights(m.w1.weight, m.w2.weight, m.options)
-                    torch._foreach_copy_(st.weights.flat(), fresh.flat())
+                    convert_weights(m.w1.weight, m.w2.weight, m.options, out=st.weights)

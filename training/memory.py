@@ -27,7 +27,8 @@ transient) and (the optimizer step: weights + AdamW + gradients). With accumulat
 batch_size > micro_batch_size x world size) the gradients of the earlier micro-batches are there
 throughout, and so, for srelu24 with trainer.float8 and its 2:4 GEMMs in e4m3 on fp32 weights (no
 FSDP), are its kept e4m3 weight conversions (srelu24_kernels/srelu24/op.py, convert_weights): four
-of d x F bytes per layer, until the optimizer step.
+of d x F bytes per layer, until the optimizer step; under tensorwise they are kept with one
+micro-batch too (model/ffn.py, conversions_kept).
 
 The two per-token constants of the transients (16 bytes per d, 8 per parameter) and the 20 bytes
 per d of the block's kept activations are calibrated against torch.cuda.max_memory_allocated of
@@ -154,7 +155,8 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         # no-accumulation benchmark points were calibrated without it (their constants absorb it)
         ffn_weights = 2 * d * ffn_hidden_dim(mcfg, fcfg) if sparse_2to4 else 0
         e.parts[WEIGHT_COPIES] = 2 * L * (P_block - 2 * d - ffn_weights)
-    if grad_accumulation and sparse_2to4 and not fsdp and t.float8 != Float8.none and fcfg.sparse_float8:
+    kept_conversions = grad_accumulation or t.float8 == Float8.tensorwise  # model/ffn.py, conversions_kept
+    if kept_conversions and sparse_2to4 and not fsdp and t.float8 != Float8.none and fcfg.sparse_float8:
         # W1's rows and columns, W2's rows and columns: 4 per layer of d x F bytes (e4m3)
         e.parts[KEPT_CONVERSIONS] = 4 * d * ffn_hidden_dim(mcfg, fcfg) * L
 

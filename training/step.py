@@ -5,10 +5,11 @@ scripts/bench_step.py times, so that the benchmark measures what training runs.
     srelu24's step state) -> clip -> non-finite check -> AdamW (-> float8 scales) -> statistics
     (logged steps only)
 
-srelu24's step state (model/ffn.py, `srelu24_step`): under gradient accumulation its e4m3 weight
-conversions are made once when the step begins and reused by every micro-batch, and its op adds
-the weight gradients into .grad itself; both end with the micro-batches, before the optimizer
-writes the weights.
+srelu24's step state (model/ffn.py, `srelu24_step`): under gradient accumulation (and under the
+tensorwise recipe with one micro-batch: `conversions_kept`) its e4m3 weight conversions are made
+once when the step begins and reused by every micro-batch, and under accumulation its op adds the
+weight gradients into .grad itself; both end with the micro-batches, before the optimizer writes
+the weights.
 
 trainer.cuda_graph (training/cuda_graph.py): each micro-batch's forward and backward is one replay
 of a CUDA graph that reads fixed buffers; it keeps srelu24's step state itself, and the .grad
@@ -29,7 +30,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import Tensor, nn
 
-from model.ffn import srelu24_step
+from model.ffn import conversions_kept, srelu24_step
 
 from .distributed import Dist, agree, clip_grad_norm, local, sum_over_ranks
 from .errors import TrainingError
@@ -201,7 +202,7 @@ def micro_batch_state(p: StepParts, sparse_on: bool, stats: bool):
     # one micro-batch has nothing to share. FSDP2 gathers its weights anew for each use; DDP's reducer
     # hooks autograd's accumulation into .grad, which srelu24's op would bypass
     several, fsdp = p.accum > 1, is_fsdp(p.model)
-    with srelu24_step(p.model, keep_conversions=several and not fsdp,
+    with srelu24_step(p.model, keep_conversions=conversions_kept(p.model, several) and not fsdp,
                       grads_in_place=several and not fsdp and p.train_module is p.model):
         yield
 

@@ -48,6 +48,8 @@ from ..cusparselt.layout import COLS_PER_CHUNK, ROWS_PER_BAND, pad_rows, padded
 from ..ffn_stats import N_SUMS, srelu24_sums_from_counts
 from ..float8 import gemm as fp8_gemm
 from ..float8 import sparse as fp8_sparse
+from ..float8 import weights as fp8_weights
+from ..float8.weights import Cast
 from .native import KERNELS
 from .options import OpOptions, StepState, WeightOperands
 from .reference import densest_from_counts, random_token_order
@@ -56,10 +58,26 @@ from .sparsify_backward import (a24_usable, backward_operands, backward_operands
                                 write_dense_columns, write_dense_rows)
 
 @torch.no_grad()
-def convert_weights(w1: Tensor, w2: Tensor, options: OpOptions) -> WeightOperands:
-    """Every conversion of W1 and W2 the e4m3 op makes, as it makes them."""
-    return WeightOperands(for_z=fp8_gemm.b_operand(w1.t(), options.float8), for_y=fp8_sparse.kmajor_e4m3(w2.t()),
-                          for_da=fp8_gemm.b_operand(w2, options.float8), for_dx=fp8_sparse.kmajor_e4m3(w1))
+def convert_weights(w1: Tensor, w2: Tensor, options: OpOptions, out: Optional[WeightOperands] = None) -> WeightOperands:
+    """Every conversion of W1 and W2 the e4m3 op makes, as it makes them. Under the tensorwise recipe
+    two passes over each weight make both of its conversions (fp8_weights.weight_casts: the same
+    bytes), written into `out`'s tensors where given (a CUDA graph's kept ones); else one by one,
+    copied into `out`."""
+    if options.float8 == "tensorwise" and w1.is_contiguous() and w2.is_contiguous():
+        o = out or WeightOperands((None, None), (None, None), (None, None), (None, None))
+        t = lambda v: None if v is None else v.t()  # noqa: E731 (the kept views are transposes of the casts)
+        z, dx = fp8_weights.weight_casts(w1, "tensor", "cols", (Cast(t(o.for_z[0]), None, o.for_z[1]),
+                                                                 Cast(t(o.for_dx[0]), o.for_dx[1], None)))
+        y, da = fp8_weights.weight_casts(w2, "rows", "tensor", (Cast(t(o.for_y[0]), o.for_y[1], None),
+                                                                Cast(t(o.for_da[0]), None, o.for_da[1])))
+        return WeightOperands(for_z=(z.values.t(), z.inv), for_y=(y.values.t(), y.scale),
+                              for_da=(da.values.t(), da.inv), for_dx=(dx.values.t(), dx.scale))
+    fresh = WeightOperands(for_z=fp8_gemm.b_operand(w1.t(), options.float8), for_y=fp8_sparse.kmajor_e4m3(w2.t()),
+                           for_da=fp8_gemm.b_operand(w2, options.float8), for_dx=fp8_sparse.kmajor_e4m3(w1))
+    if out is None:
+        return fresh
+    torch._foreach_copy_(out.flat(), fresh.flat())
+    return out
 
 
 def available(x: Tensor) -> bool:

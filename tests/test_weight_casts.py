@@ -1,0 +1,128 @@
+"""A weight's two e4m3 conversions in two passes (srelu24_kernels/float8/weights.py): bit for bit its
+PyTorch reference and the one-by-one conversions the op made before (fp8_gemm.b_operand,
+fp8_sparse.kmajor_e4m3), special values included; written into given tensors where asked (a CUDA
+graph's kept buffers); a wrong buffer is refused. CPU: TRITON_INTERPRET."""
+import pytest
+import torch
+
+from srelu24_kernels.float8 import gemm as fp8_gemm
+from srelu24_kernels.float8 import sparse as fp8_sparse
+from srelu24_kernels.float8.weights import KINDS, Cast, weight_casts, weight_casts_reference
+from srelu24_kernels.srelu24.op import convert_weights
+from srelu24_kernels.srelu24.options import OpOptions, SReLU24Recipe, WeightOperands
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def weight(r: int, c: int, seed: int, special: bool = False) -> torch.Tensor:
+    """An fp32 [r, c] with rows and columns of very different magnitudes; `special`: a NaN, an inf,
+    an all-zero row, a tiny row and amaxes at the power-of-2 scales' edges."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(r, c, generator=g) * torch.logspace(-2, 2, r)[:, None] * torch.logspace(-1, 1, c)[None, :]
+    if special:
+        w[1, 3] = float("nan")
+        w[2, 5] = -float("inf")
+        w[4] = 0.0
+        w[5] *= 1e-20
+        w[6, 0], w[7, 1], w[8, 2] = 448.0, 1.75, 1.7500001
+    return w
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.cpu()
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32)  # NaNs compared too
+
+
+def _equal(got, want) -> bool:
+    return got.shape == want.shape and torch.equal(_bytes(got), _bytes(want))
+
+
+@pytest.mark.parametrize("r, c", [(64, 128), (96, 200), (300, 70), (1, 1)])
+@pytest.mark.parametrize("own, trans", [("tensor", "cols"), ("rows", "tensor"), ("rows", "cols"), ("cols", "rows")])
+def test_weight_casts_match_the_reference_bit_for_bit(r, c, own, trans):
+    w = weight(r, c, r * c)
+    got = weight_casts(w.to(DEV), own, trans)
+    want = weight_casts_reference(w, own, trans)
+    for g, x in zip(got, want):
+        assert all(_equal(a, b) for a, b in zip(g, x)), (own, trans)
+    assert got[0].values.shape == (r, c) and got[1].values.shape == (c, r)
+
+
+@pytest.mark.parametrize("own, trans", [("tensor", "cols"), ("rows", "tensor")])
+def test_nan_and_inf_reach_the_casts_as_the_reference_has_them(own, trans):
+    w = weight(72, 136, 5, special=True)
+    got = weight_casts(w.to(DEV), own, trans)
+    want = weight_casts_reference(w, own, trans)
+    for g, x in zip(got, want):
+        assert all(_equal(a, b) for a, b in zip(g, x))
+    assert got[0].values.cpu().float().isnan().any()  # the NaN is not lost to a max reduction
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_convert_weights_makes_the_bytes_of_the_one_by_one_conversions(special):
+    """The op's tensorwise conversions of W1 [F, d] and W2 [d, F], against the functions it called
+    before: the same values, scales and layouts (views of the same shapes and strides)."""
+    w1, w2 = weight(192, 64, 1, special).to(DEV), weight(64, 192, 2, special).to(DEV)
+    got = convert_weights(w1, w2, OpOptions(SReLU24Recipe(), "tensorwise", True))
+    want = WeightOperands(for_z=fp8_gemm.b_operand(w1.t(), "tensorwise"), for_y=fp8_sparse.kmajor_e4m3(w2.t()),
+                          for_da=fp8_gemm.b_operand(w2, "tensorwise"), for_dx=fp8_sparse.kmajor_e4m3(w1))
+    for name, g, x in zip(WeightOperands._fields, got, want):
+        for a, b in zip(g, x):
+            assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype, name
+            assert _equal(a, b), name
+
+
+def test_convert_weights_writes_into_the_given_tensors():
+    opts = OpOptions(SReLU24Recipe(), "tensorwise", True)
+    w1, w2 = weight(128, 64, 3).to(DEV), weight(64, 128, 4).to(DEV)
+    kept = convert_weights(w1, w2, opts)
+    ptrs = [t.data_ptr() for t in kept.flat()]
+    w1.mul_(3.0), w2.mul_(-0.5)  # the optimizer's update
+    again = convert_weights(w1, w2, opts, out=kept)
+    assert [t.data_ptr() for t in again.flat()] == ptrs
+    fresh = convert_weights(w1, w2, opts)
+    assert all(_equal(a, b) for a, b in zip(kept.flat(), fresh.flat()))
+    assert not _equal(kept.for_z[1], convert_weights(w1 / 3.0, w2, opts).for_z[1])  # the scales did change
+
+
+def test_rowwise_conversions_are_copied_into_the_given_tensors():
+    opts = OpOptions(SReLU24Recipe(), "rowwise", True)
+    w1, w2 = weight(128, 64, 6).to(DEV), weight(64, 128, 7).to(DEV)
+    kept = convert_weights(w1, w2, opts)
+    ptrs = [t.data_ptr() for t in kept.flat()]
+    w1.mul_(0.25)
+    convert_weights(w1, w2, opts, out=kept)
+    assert [t.data_ptr() for t in kept.flat()] == ptrs
+    assert all(_equal(a, b) for a, b in zip(kept.flat(), convert_weights(w1, w2, opts).flat()))
+
+
+def test_a_wrong_buffer_or_kind_is_refused():
+    w = weight(64, 128, 8).to(DEV)
+    bad = torch.empty(64, 128, dtype=torch.float8_e4m3fn, device=DEV)  # the transposed cast is [128, 64]
+    with pytest.raises(ValueError, match=r"out trans.values must be a contiguous torch.float8_e4m3fn \(128, 64\)"):
+        weight_casts(w, "tensor", "cols", (None, Cast(bad, None, None)))
+    with pytest.raises(ValueError, match="scale kinds are tensor, rows, cols"):
+        weight_casts(w, "tensor", "columns")
+    with pytest.raises(ValueError, match="contiguous 2-D weight"):
+        weight_casts(w.t(), "tensor", "cols")
+    assert set(KINDS) == {"tensor", "rows", "cols"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d, f", [(2048, 8448), (512, 1536)])
+def test_convert_weights_at_the_models_shapes_on_the_gpu(d, f):
+    """The 1B FFN's weights (and a small one), fresh random values, then a NaN and an inf (which
+    the GPU's max, unlike the interpreter's, may drop): fused and one by one agree."""
+    torch.manual_seed(d + f)
+    w1, w2 = torch.randn(f, d, device="cuda") * 0.02, torch.randn(d, f, device="cuda") * 0.02
+    _agree(w1, w2)
+    w1[7, 9], w2[3, 11], w2[5, 100] = float("nan"), float("inf"), float("nan")
+    _agree(w1, w2)
+
+
+def _agree(w1: torch.Tensor, w2: torch.Tensor) -> None:
+    got = convert_weights(w1, w2, OpOptions(SReLU24Recipe(), "tensorwise", True))
+    want = WeightOperands(for_z=fp8_gemm.b_operand(w1.t(), "tensorwise"), for_y=fp8_sparse.kmajor_e4m3(w2.t()),
+                          for_da=fp8_gemm.b_operand(w2, "tensorwise"), for_dx=fp8_sparse.kmajor_e4m3(w1))
+    for name, g, x in zip(WeightOperands._fields, got, want):
+        assert all(a.stride() == b.stride() and _equal(a, b) for a, b in zip(g, x)), name
