@@ -238,12 +238,17 @@ def _grad_buffer(p: nn.Parameter) -> Optional[Tensor]:
     return g if g.dtype == p.dtype and g.shape == p.shape and g.is_contiguous() else None
 
 
-def conversions_kept(model: nn.Module, several: bool) -> bool:
+def keeps_conversions(several: bool, float8: str) -> bool:
     """Whether srelu24's step state keeps the weights' e4m3 conversions for a step of `several`
     micro-batches or one: kept across several always; for one under the tensorwise recipe too, where
     two passes over each weight make all four (srelu24_kernels/float8/weights.py) and the op, making
-    them at each use, would read each weight more often."""
-    return several or any(m.options.float8 == "tensorwise" for m in model.modules() if isinstance(m, SReLU24))
+    them at each use, would read each weight more often. training/memory.py counts them by it."""
+    return several or float8 == "tensorwise"
+
+
+def conversions_kept(model: nn.Module, several: bool) -> bool:
+    """keeps_conversions for `model`'s srelu24 FFNs (their float8 recipe)."""
+    return any(keeps_conversions(several, m.options.float8) for m in model.modules() if isinstance(m, SReLU24))
 
 
 @contextmanager

@@ -356,6 +356,16 @@ def test_the_memory_estimate_counts_the_kept_conversions_under_accumulation():
     assert KEPT_CONVERSIONS not in estimate(m, FFNConfig(kind="srelu"), 32000, accum).parts
 
 
+def test_the_step_keeps_conversions_where_conversions_kept_says(monkeypatch):
+    import training.step as step
+    from test_step import batches, parts_for, tiny
+
+    asked = []
+    monkeypatch.setattr(step, "conversions_kept", lambda model, several: asked.append(several) or True)
+    runs = [(parts_for(tiny("srelu24"), accum=1), iter(batches(1, 4)).__next__)]
+    assert _recorded_scopes(monkeypatch, runs) == [(True, False)] and asked == [False]
+
+
 def test_tensorwise_keeps_the_conversions_of_one_micro_batch_too():
     """Two passes over each weight make all four conversions under tensorwise
     (srelu24_kernels/float8/weights.py), fewer than the op's one-by-one conversions at each use:

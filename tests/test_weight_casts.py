@@ -48,6 +48,12 @@ def test_weight_casts_match_the_reference_bit_for_bit(r, c, own, trans):
     assert got[0].values.shape == (r, c) and got[1].values.shape == (c, r)
 
 
+def test_a_bf16_weight_casts_as_the_reference():
+    w = weight(64, 96, 9).bfloat16()
+    for g, x in zip(weight_casts(w.to(DEV), "rows", "tensor"), weight_casts_reference(w, "rows", "tensor")):
+        assert all(_equal(a, b) for a, b in zip(g, x))
+
+
 @pytest.mark.parametrize("own, trans", [("tensor", "cols"), ("rows", "tensor")])
 def test_nan_and_inf_reach_the_casts_as_the_reference_has_them(own, trans):
     w = weight(72, 136, 5, special=True)
@@ -116,8 +122,11 @@ def test_convert_weights_at_the_models_shapes_on_the_gpu(d, f):
     torch.manual_seed(d + f)
     w1, w2 = torch.randn(f, d, device="cuda") * 0.02, torch.randn(d, f, device="cuda") * 0.02
     _agree(w1, w2)
-    w1[7, 9], w2[3, 11], w2[5, 100] = float("nan"), float("inf"), float("nan")
+    w2[3, 11] = -float("inf")  # an inf alone: tensor scale 0, the inf's column and row NaN
     _agree(w1, w2)
+    w1[7, 9], w2[5, 100] = float("nan"), -float("nan")  # a NaN with its sign bit set
+    _agree(w1, w2)
+    _agree(w1[:f - 40, : d - 24].contiguous(), w2[: d - 24, : f - 40].contiguous())  # tails off the tiles
 
 
 def _agree(w1: torch.Tensor, w2: torch.Tensor) -> None:

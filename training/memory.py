@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim
+from model.ffn import keeps_conversions
 
 from .checkpoint import checkpoint_bytes, saves_ahead, space_needed
 from .config import ActivationCheckpointing, Config, Float8, Strategy, TrainerConfig
@@ -155,8 +156,8 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         # no-accumulation benchmark points were calibrated without it (their constants absorb it)
         ffn_weights = 2 * d * ffn_hidden_dim(mcfg, fcfg) if sparse_2to4 else 0
         e.parts[WEIGHT_COPIES] = 2 * L * (P_block - 2 * d - ffn_weights)
-    kept_conversions = grad_accumulation or t.float8 == Float8.tensorwise  # model/ffn.py, conversions_kept
-    if kept_conversions and sparse_2to4 and not fsdp and t.float8 != Float8.none and fcfg.sparse_float8:
+    e4m3_op = sparse_2to4 and not fsdp and t.float8 != Float8.none and fcfg.sparse_float8
+    if e4m3_op and keeps_conversions(grad_accumulation, t.float8):
         # W1's rows and columns, W2's rows and columns: 4 per layer of d x F bytes (e4m3)
         e.parts[KEPT_CONVERSIONS] = 4 * d * ffn_hidden_dim(mcfg, fcfg) * L
 

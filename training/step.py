@@ -199,8 +199,8 @@ def micro_batch_state(p: StepParts, sparse_on: bool, stats: bool):
         finally:
             p.graphs.end_step()
         return
-    # one micro-batch has nothing to share. FSDP2 gathers its weights anew for each use; DDP's reducer
-    # hooks autograd's accumulation into .grad, which srelu24's op would bypass
+    # one micro-batch shares only tensorwise's conversions (conversions_kept). FSDP2 gathers its weights
+    # anew for each use; DDP's reducer hooks autograd's accumulation into .grad, which srelu24's op would bypass
     several, fsdp = p.accum > 1, is_fsdp(p.model)
     with srelu24_step(p.model, keep_conversions=conversions_kept(p.model, several) and not fsdp,
                       grads_in_place=several and not fsdp and p.train_module is p.model):

@@ -65,6 +65,17 @@ def amax_to_scale_reference(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tens
 
 
 @triton.jit
+def amax_to_scale_triton(amax, FMAX: tl.constexpr):
+    """torchao's scale of an amax (any float dtype): FMAX / max(amax, EPS) in float64, then float32;
+    NaN stays NaN, an inf amax gives 0."""
+    a = amax.to(tl.float64)
+    # EPS = 1e-12 as a float64, from its bits: a float literal in a kernel is a float32
+    eps = tl.full(a.shape, 0x3D719799812DEA11, tl.int64).to(tl.float64, bitcast=True)
+    a = tl.maximum(a, eps, propagate_nan=tl.PropagateNan.ALL)
+    return (tl.full(a.shape, FMAX, tl.float64) / a).to(tl.float32)  # float64 division is IEEE (div.rn.f64)
+
+
+@triton.jit
 def _amax_to_scale_kernel(amax_ptr, scale_ptr, inv_ptr, n, FMAX: tl.constexpr, POW2: tl.constexpr,
                           BLOCK: tl.constexpr):
     """amax_to_scale_reference in one launch (the reference is 5-8 launches of one element each).
@@ -73,11 +84,7 @@ def _amax_to_scale_kernel(amax_ptr, scale_ptr, inv_ptr, n, FMAX: tl.constexpr, P
     round up)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    a = tl.load(amax_ptr + i, mask=m, other=1.0).to(tl.float64)
-    # EPS = 1e-12 as a float64, from its bits: a float literal in a kernel is a float32
-    eps = tl.full([BLOCK], 0x3D719799812DEA11, tl.int64).to(tl.float64, bitcast=True)
-    a = tl.maximum(a, eps, propagate_nan=tl.PropagateNan.ALL)
-    s = (tl.full([BLOCK], FMAX, tl.float64) / a).to(tl.float32)  # float64 division is IEEE (div.rn.f64)
+    s = amax_to_scale_triton(tl.load(amax_ptr + i, mask=m, other=1.0), FMAX)
     if POW2:
         bits = s.to(tl.int32, bitcast=True) & -8388608  # 0xFF800000: sign and exponent
         s = tl.where(s != s, s, bits.to(tl.float32, bitcast=True))

@@ -4,7 +4,7 @@ under the tensorwise recipe (srelu24_kernels/srelu24/op.py, convert_weights), on
 Each fp32 weight W [R, C] feeds two GEMMs, each wanting its own e4m3 copy: W1 as Z's B (one scale
 for the tensor, W1's own layout) and as dX's B (a power-of-2 scale per column, transposed); W2 as
 Y's B (one per row, its own layout) and as dA's B (one for the tensor, transposed). Made one by one
-(fp8_gemm.b_operand, fp8_sparse.kmajor_e4m3) they read W six times in ten launches per layer;
+(fp8_gemm.b_operand, fp8_sparse.kmajor_e4m3) they read W seven times in ten launches per layer;
 here
     1. one pass takes the amaxes both casts need (row, column and tensor, as atomic maxima of
        |w|'s bits: NaN > inf > every finite value, so a NaN survives);
@@ -24,13 +24,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .cast import pow2_scale, pow2_scale_triton, to_float8_bits
+from .cast import COLUMN_AMAX_TILE, pow2_scale, pow2_scale_triton, scaled_cast_reference, to_float8_bits
+from .gemm import amax_to_scale_reference, amax_to_scale_triton
 
 E4M3 = torch.float8_e4m3fn
-FMAX = 448.0
-EPS = 1e-12  # torchao's amax floor, as fp8_gemm.EPS
 KINDS = {"tensor": 0, "rows": 1, "cols": 2}
-AMAX_TILE = (256, 64)  # as cast.COLUMN_AMAX_TILE, the fastest tile of an fp32 weight's amax pass
+AMAX_TILE = COLUMN_AMAX_TILE  # the fastest tile of a weight's column amaxes (cast.py)
 CAST_TILE = (64, 64)   # as cast.scaled_cast's transposing tile
 
 
@@ -50,7 +49,8 @@ def _amax_kernel(w_ptr, rows_ptr, cols_ptr, tensor_ptr, R, C, ROWS: tl.constexpr
     i = tl.program_id(0) * BR + tl.arange(0, BR)
     j = tl.program_id(1) * BC + tl.arange(0, BC)
     m = (i[:, None] < R) & (j[None, :] < C)
-    bits = tl.abs(tl.load(w_ptr + i[:, None] * C + j[None, :], mask=m, other=0.0)).to(tl.int32, bitcast=True)
+    w = tl.load(w_ptr + i[:, None] * C + j[None, :], mask=m, other=0.0).to(tl.float32)
+    bits = w.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |w| by its bits: a NaN's sign cleared too
     if ROWS:
         tl.atomic_max(rows_ptr + i, tl.max(bits, 1), mask=i < R)
     if COLS:
@@ -61,12 +61,8 @@ def _amax_kernel(w_ptr, rows_ptr, cols_ptr, tensor_ptr, R, C, ROWS: tl.constexpr
 
 @triton.jit
 def _tensor_scale(tensor_ptr):
-    """torchao's amax_to_scale of the tensor's amax bits, as a [1] tensor: 448 / max(amax, 1e-12) in
-    float64, then float32 (NaN for a NaN amax, 0 for an inf one), as fp8_gemm._amax_to_scale_kernel."""
-    a = tl.load(tensor_ptr + tl.arange(0, 1)).to(tl.float32, bitcast=True).to(tl.float64)
-    eps = tl.full([1], 0x3D719799812DEA11, tl.int64).to(tl.float64, bitcast=True)  # 1e-12 as a float64, by its bits
-    a = tl.maximum(a, eps, propagate_nan=tl.PropagateNan.ALL)
-    return (tl.full([1], 448.0, tl.float64) / a).to(tl.float32)
+    """The tensor's scale from its amax bits, as a [1] tensor (fp8_gemm.amax_to_scale_triton)."""
+    return amax_to_scale_triton(tl.load(tensor_ptr + tl.arange(0, 1)).to(tl.float32, bitcast=True), 448.0)
 
 
 @triton.jit
@@ -173,14 +169,13 @@ def weight_casts(w: Tensor, own: str, trans: str,
 
 
 def _reference_cast(w: Tensor, kind: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(w scaled per `kind` and cast, scale, inv), in PyTorch."""
-    x = w.float()
+    """(w scaled per `kind` and cast, scale, inv), in PyTorch: fp8_gemm's tensorwise scale or
+    cast.pow2_scale of the rows' or columns' amaxes, then cast.scaled_cast_reference."""
     if kind == "tensor":
-        scale = (FMAX / x.abs().amax().double().clamp(min=EPS)).float()
-        return (x * scale).clamp(-FMAX, FMAX).to(E4M3), scale, scale.reciprocal()
-    s = pow2_scale(x.abs().amax(1 if kind == "rows" else 0))
-    q = (x * (s[:, None] if kind == "rows" else s[None, :])).clamp(-FMAX, FMAX).to(E4M3)
-    return q, s, s.reciprocal()
+        scale, inv = amax_to_scale_reference(w.float().abs().amax(), 448.0, pow2=False)
+        return scaled_cast_reference(w, scale, E4M3), scale, inv
+    s = pow2_scale(w.float().abs().amax(1 if kind == "rows" else 0))
+    return scaled_cast_reference(w, s[:, None] if kind == "rows" else s[None, :], E4M3), s, s.reciprocal()
 
 
 def weight_casts_reference(w: Tensor, own: str, trans: str) -> tuple[Cast, Cast]:

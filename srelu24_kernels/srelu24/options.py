@@ -44,8 +44,9 @@ class OpOptions:
 
 class WeightOperands(NamedTuple):
     """W1's and W2's conversions, one per GEMM that reads a weight, each (values, scale) as that
-    GEMM takes it: e4m3 mode on fp32 weights. Made once per optimizer step under gradient
-    accumulation (StepState), else by the op at each use."""
+    GEMM takes it: e4m3 mode on fp32 weights. Made once per optimizer step (StepState) under
+    gradient accumulation or the tensorwise recipe (model/ffn.py, keeps_conversions), else by the op
+    at each use."""
     for_z: tuple[Tensor, Tensor]    # W1^T, the float8 B of Z = X W1^T (fp8_gemm.b_operand)
     for_y: tuple[Tensor, Tensor]    # W2^T, the e4m3 B of Y = A24 W2^T (fp8_sparse.kmajor_e4m3)
     for_da: tuple[Tensor, Tensor]   # W2, the float8 B of dA = dY W2
