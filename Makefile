@@ -45,8 +45,11 @@ NVCC ?= nvcc
 KERNELS_LDFLAGS ?=
 KERNELS_FLAGS = -std=c++17 -O3 -Xcompiler -fPIC -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 
-kernels: build/srelu24_kernels.so
+# KERNELS_LIB: where the library goes (tests/test_compile_sm90.py builds one in a temporary folder).
+KERNELS_LIB ?= build/srelu24_kernels.so
 
-build/srelu24_kernels.so: srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu
-	@mkdir -p build
+kernels: $(KERNELS_LIB)
+
+$(KERNELS_LIB): srelu24_kernels/srelu24/csrc/srelu24_sparsify.cu
+	@mkdir -p $(dir $@)
 	$(NVCC) $(KERNELS_FLAGS) -shared $(KERNELS_LDFLAGS) $< -o $@

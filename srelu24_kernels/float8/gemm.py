@@ -99,6 +99,11 @@ def amax_to_scale(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor
     # within an ulp below a power of 2, which torchao's float32 log2 rounds up (tests/test_float8.py)
     if not amax.is_cuda or (pow2 and amax.dtype != torch.bfloat16):
         return amax_to_scale_reference(amax, fmax, pow2)
+    return amax_to_scale_kernel(amax, fmax, pow2)
+
+
+def amax_to_scale_kernel(amax: Tensor, fmax: float, pow2: bool) -> tuple[Tensor, Tensor]:
+    """amax_to_scale's GPU launch, without its choice of path (tests/compile_sm90.py compiles it)."""
     a = amax.contiguous()
     scale, inv = torch.empty(a.shape, dtype=torch.float32, device=a.device), torch.empty(a.shape, dtype=torch.float32,
                                                                                          device=a.device)
