@@ -119,3 +119,41 @@ def test_columns_to_e4m3_equals_its_reference(dtype):
     assert torch.equal(s.cpu()[~nan], want_s[~nan]) and torch.equal(inv.cpu()[~nan], 1 / want_s[~nan])
     assert inv.cpu()[7].isnan()
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))  # the NaN column's bytes too (0x7F)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("index", [torch.int32, torch.int64])
+def test_columns_to_e4m3_gathers_and_pads_rows_as_the_written_matrix(dtype, index):
+    """rows and k: the conversion of b[rows] followed by zero rows up to k (srelu24's dY and X in the
+    backward's token order, padded), bit for bit that of the matrix written out, and its reference;
+    a NaN and an inf read through the gather, a strided b."""
+    from srelu24_kernels.float8.cast import columns_to_e4m3, columns_to_e4m3_reference
+    g = torch.Generator().manual_seed(11)
+    b = awkward(70, 130).to(dtype)
+    b[3, 7], b[5, 9] = float("nan"), float("inf")
+    rows = torch.randperm(70, generator=g).to(index)
+    written = torch.cat([b[rows.long()], torch.zeros(26, 130, dtype=dtype)])  # k = 96
+    want = columns_to_e4m3(written.to(DEV))
+    got = columns_to_e4m3(b.to(DEV), rows.to(DEV), 96)
+    assert got[0].shape == (130, 96)
+    assert torch.equal(got[0].cpu().view(torch.uint8), want[0].cpu().view(torch.uint8))
+    for g_, w in zip(got[1:], want[1:]):  # the scales and their reciprocals; NaN for the NaN column
+        g_, w = g_.cpu(), w.cpu()
+        assert torch.equal(g_.isnan(), w.isnan()) and torch.equal(g_[~w.isnan()], w[~w.isnan()])
+    assert got[1].cpu()[7].isnan()
+    ref_q, ref_s = columns_to_e4m3_reference(b, rows, 96)
+    assert torch.equal(got[0].cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    # padding alone (rows None, k > K), and a strided b: its transpose's rows
+    t = b.t().contiguous().t()
+    pad = columns_to_e4m3(t.to(DEV), None, 96)[0].cpu()
+    want = columns_to_e4m3(torch.cat([b, torch.zeros(26, 130, dtype=dtype)]).to(DEV))[0].cpu()
+    assert torch.equal(pad.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_columns_to_e4m3_refuses_rows_it_cannot_gather():
+    from srelu24_kernels.float8.cast import columns_to_e4m3
+    b = torch.randn(64, 32).to(DEV)
+    for rows, k in ((torch.arange(64, device=DEV), 32), (torch.arange(64.0, device=DEV), None),
+                    (torch.arange(64, device=DEV).reshape(8, 8), None)):
+        with pytest.raises(ValueError, match="rows must be"):
+            columns_to_e4m3(b, rows, k)
