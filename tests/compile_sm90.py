@@ -102,9 +102,8 @@ def scales_and_rows():
 
 def sparse_operands():
     """The 2:4 GEMMs' e4m3 operands and unscaling (fp8_sparse): a compressed [m, k] buffer per GEMM
-    (Y, dX: k = F; dW2, dW1: k = the padded tokens), the dense rows' cast, the weight gradients' B
-    gathered in token order, the product's unscaling in place, gathered (dX), into fp32, with dW2's
-    dense columns, added into .grad."""
+    (Y, dX: k = F; dW2, dW1: k = the padded tokens), the dense rows' cast, the product's unscaling
+    in place, into fp32, with dW2's dense columns, added into .grad."""
     from srelu24_kernels.cusparselt.layout import compressed_numel, empty_compressed
     from srelu24_kernels.float8 import sparse
     for d, f, t in SHAPES.values():
@@ -112,14 +111,9 @@ def sparse_operands():
             buf = empty_compressed(compressed_numel(m, k), torch.bfloat16, "cpu").view(m, -1)
             sparse.compressed_to_e4m3(buf, m, k)
         sparse.rows_to_e4m3(empty(64, t))  # the dense features' rows [k, T] (dense_mm off the GPU path)
-        perm = torch.randperm(t, dtype=torch.int32)
-        for b in (empty(t, d), empty(t - 32, d)):  # dY, X gathered in the token order (and padded)
-            sparse.kmajor_e4m3(b, perm[:b.shape[0]], t)
     y, rows, cols = empty(256, 384), empty(256, dtype=torch.float32), empty(384, dtype=torch.float32)
     slots, g = torch.full((384,), -1, dtype=torch.int32), empty(8, 256)
     sparse.unscale_(y, row_scale=rows, col_scale=cols)
-    sparse.unscale(y, row_scale=rows, col_scale=cols, out_dtype=torch.bfloat16,
-                   rows=torch.arange(200, dtype=torch.int32))  # dX
     for out_dtype in (torch.bfloat16, torch.float32):
         for dense in (None, (slots, g)):
             for into in (None, empty(256, 384, dtype=out_dtype)):

@@ -351,28 +351,6 @@ def test_sparse_and_dense_mm_share_one_conversion_of_b(transpose_result):
         assert none is None and ref_fused.dtype == torch.float32 and _rel(fused, ref_fused) < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("transpose_result", [False, True])
-def test_gathering_products_equal_the_written_operands(transpose_result):
-    """The op's gathers, done by the conversions and the unscaling pass, give the bytes of the tensors
-    it wrote before: B = b[perm] padded (the weight gradients' dY, X) and (A B)[inverse] (dX)."""
-    m, k, n, t, r = 256, 512, 192, 450, 24  # 450 tokens padded to 512
-    a, keep = sparse_bf16(m, k, 7)
-    buf = compress(a, keep).cuda()
-    rows = torch.randn(r, k, device="cuda").bfloat16()
-    b = torch.randn(t, n, device="cuda").bfloat16()
-    perm = torch.randperm(t, device="cuda").to(torch.int32)
-    written = torch.cat([b[perm.long()], b.new_zeros(k - t, n)])
-    assert fp8_sparse.usable(buf, b, k) and not fp8_sparse.usable(buf, b)
-    want = fp8_sparse.sparse_and_dense_mm(buf, rows, written, transpose_result, torch.float32)
-    got = fp8_sparse.sparse_and_dense_mm(buf, rows, b, transpose_result, torch.float32, b_rows=perm)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    if not transpose_result:
-        w = torch.randn(n, k, device="cuda").bfloat16().t()
-        inverse = torch.randperm(m, device="cuda").to(torch.int32)[:200]
-        assert torch.equal(fp8_sparse.sparse_mm(buf, w, rows=inverse), fp8_sparse.sparse_mm(buf, w)[inverse.long()])
-
-
 def _ffn_outputs(x, w1, w2, dy, float8: str, sparse_float8: bool, reuse_forward_mask: bool = True) -> list:
     from helpers import kernel_ffn
     from srelu24_kernels.srelu24.reference import SReLU24Recipe
@@ -518,55 +496,3 @@ def test_srelu24_ffn_in_e4m3_takes_fp32_weights_as_their_bf16_casts(float8, T):
                 assert torch.equal(got, want), what
             else:
                 assert _rel(got, want) < 0.1, f"{what}: {_rel(got, want):.4f}"
-
-
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_unscale_gathers_rows_as_indexing_after(out_dtype):
-    """rows: the result of y[rows] in the same pass (dX back in token order), bit for bit unscale then
-    indexing, each row with its own row scale; y padded past the rows read; added into a buffer."""
-    g = torch.Generator().manual_seed(5)
-    m, n, t = 128, 200, 100  # y's rows padded to 128, 100 tokens gathered
-    y = torch.randn(m, n, generator=g).bfloat16().to(DEV)
-    sr = (2.0 ** torch.randint(-20, 20, (m,), generator=g).float()).to(DEV)
-    sc = (2.0 ** torch.randint(-20, 20, (n,), generator=g).float()).to(DEV)
-    rows = torch.randperm(t, generator=g).to(torch.int32).to(DEV)
-    want = fp8_sparse.unscale(y.clone(), row_scale=sr, col_scale=sc, out_dtype=out_dtype)[rows.long()]
-    before = y.clone()
-    got = fp8_sparse.unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, rows=rows)
-    assert got.shape == (t, n) and got.dtype == out_dtype and torch.equal(got, want)
-    assert torch.equal(y, before)  # never in place when gathering
-    if out_dtype == torch.bfloat16:
-        return  # adding into bf16 rounds, which the interpreter's bf16 cast does not (it truncates)
-    into = torch.randn(t, n, generator=g).to(out_dtype).to(DEV)
-    added = into + want
-    assert fp8_sparse.unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, rows=rows,
-                              accumulate_into=into) is into and torch.equal(into, added)
-    with pytest.raises(ValueError, match="without dense_columns"):
-        fp8_sparse.unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, rows=rows,
-                           dense_columns=(torch.full((n,), -1, dtype=torch.int32, device=DEV), y[:1, :m]))
-
-
-def test_kmajor_e4m3_gathers_rows_as_its_reference():
-    """B = b[rows] padded with zero rows to k, converted per column K-major (the weight gradients' B)."""
-    g = torch.Generator().manual_seed(6)
-    b = torch.randn(100, 96, generator=g).bfloat16()
-    rows = torch.randperm(100, generator=g).to(torch.int32)
-    q, s = fp8_sparse.kmajor_e4m3(b.to(DEV), rows.to(DEV), 128)
-    q_ref, s_ref = fp8_sparse.kmajor_e4m3_reference(b, rows, 128)
-    assert q.shape == (128, 96) and q.t().is_contiguous()
-    assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
-
-
-def test_sparse_and_dense_mm_reference_gathers_b_as_written():
-    """The reference's b_rows: b[b_rows] padded to A's reduction dimension, as the op wrote it before."""
-    g = torch.Generator().manual_seed(8)
-    a, keep = sparse_bf16(64, 128, 8)
-    buf = compress(a, keep)
-    b = torch.randn(100, 64, generator=g).bfloat16()
-    rows = torch.randperm(100, generator=g).to(torch.int32)
-    dense = torch.randn(3, 128, generator=g).bfloat16()
-    written = torch.cat([b[rows.long()], torch.zeros(28, 64, dtype=b.dtype)])
-    for tr in (False, True):
-        want = fp8_sparse.sparse_and_dense_mm_reference(buf, dense, written, tr)
-        got = fp8_sparse.sparse_and_dense_mm_reference(buf, dense, b, tr, b_rows=rows)
-        assert all(torch.equal(x, y) for x, y in zip(got, want))

@@ -10,8 +10,6 @@ K-major (fp8_sparse's dense operands, fp8_gemm's rowwise W2). `to_float8_bits` r
 even) with the GPU's conversion instruction; under TRITON_INTERPRET, whose own float8 cast rounds
 wrongly, it rounds on the bits instead, which gives the same bytes.
 """
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -150,32 +148,21 @@ COLUMN_AMAX_TILE = (256, 64)
 
 
 @triton.jit
-def _source_rows(rows_ptr, k, R, GATHER: tl.constexpr):
-    """The rows of b that rows k of the converted matrix read: rows_ptr[k] (GATHER) or k, for k < R."""
-    if GATHER:
-        return tl.load(rows_ptr + k, mask=k < R, other=0).to(tl.int64)
-    return k.to(tl.int64)
-
-
-@triton.jit
-def _column_amax_kernel(b_ptr, rows_ptr, amax_ptr, R, N, stride_k, stride_n, GATHER: tl.constexpr, BK: tl.constexpr,
-                        BN: tl.constexpr):
-    """amax_ptr[j] = max(amax_ptr[j], bits of max |b[k, j]|) over this program's BK x BN tile of the R
-    rows read (b's own, or rows_ptr's: GATHER)."""
+def _column_amax_kernel(b_ptr, amax_ptr, K, N, stride_k, stride_n, BK: tl.constexpr, BN: tl.constexpr):
+    """amax_ptr[j] = max(amax_ptr[j], bits of max |b[k, j]|) over this program's BK x BN tile."""
     k = tl.program_id(0) * BK + tl.arange(0, BK)
     j = tl.program_id(1) * BN + tl.arange(0, BN)
-    src = _source_rows(rows_ptr, k, R, GATHER)
-    v = tl.load(b_ptr + src[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < R) & (j[None, :] < N),
+    v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < K) & (j[None, :] < N),
                 other=0.0).to(tl.float32)
     tl.atomic_max(amax_ptr + j, tl.max(tl.abs(v).to(tl.int32, bitcast=True), 0), mask=j < N)
 
 
 @triton.jit
-def _column_cast_kernel(b_ptr, rows_ptr, amax_ptr, out_ptr, scale_ptr, inv_ptr, R, K, N, stride_k, stride_n,
-                        GATHER: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """out [N, K] = B [K, N] times each column's power-of-2 scale (from its amax bits), as e4m3,
-    transposed, where B's first R rows are b's (or b's rows at rows_ptr: GATHER) and the rest zero;
-    the first row of programs also writes the scales and their reciprocals (rounded as torch's)."""
+def _column_cast_kernel(b_ptr, amax_ptr, out_ptr, scale_ptr, inv_ptr, K, N, stride_k, stride_n, BK: tl.constexpr,
+                        BN: tl.constexpr):
+    """out [N, K] = b [K, N] times each column's power-of-2 scale (from its amax bits), as e4m3,
+    transposed; the first row of programs also writes the scales and their reciprocals (rounded as
+    torch's)."""
     k = tl.program_id(0) * BK + tl.arange(0, BK)
     j = tl.program_id(1) * BN + tl.arange(0, BN)
     bits = tl.load(amax_ptr + j, mask=j < N, other=0)
@@ -183,63 +170,37 @@ def _column_cast_kernel(b_ptr, rows_ptr, amax_ptr, out_ptr, scale_ptr, inv_ptr, 
     if tl.program_id(0) == 0:
         tl.store(scale_ptr + j, s, mask=j < N)
         tl.store(inv_ptr + j, tl.math.div_rn(tl.full([BN], 1.0, tl.float32), s), mask=j < N)
-    src = _source_rows(rows_ptr, k, R, GATHER)
-    v = tl.load(b_ptr + src[:, None] * stride_k + j[None, :] * stride_n, mask=(k[:, None] < R) & (j[None, :] < N),
-                other=0.0).to(tl.float32)
-    tl.store(out_ptr + j[None, :] * K + k[:, None], to_float8_bits(v * s[None, :], False),
-             mask=(k[:, None] < K) & (j[None, :] < N))
+    m = (k[:, None] < K) & (j[None, :] < N)
+    v = tl.load(b_ptr + k[:, None] * stride_k + j[None, :] * stride_n, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + j[None, :] * K + k[:, None], to_float8_bits(v * s[None, :], False), mask=m)
 
 
-def _gathered(b: Tensor, rows: Optional[Tensor], k: Optional[int]) -> tuple[int, int]:
-    """(R, K) of columns_to_e4m3's matrix: the rows read from b, and all of them with the zero rows."""
-    r = b.shape[0] if rows is None else rows.shape[0]
-    k = r if k is None else k
-    if k < r or (rows is not None and (rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64)
-                                       or rows.device != b.device or not rows.is_contiguous())):
-        raise ValueError(f"columns_to_e4m3: rows must be a contiguous int32/int64 vector on {b.device} and k >= its "
-                         f"length ({r}); got rows {None if rows is None else (rows.dtype, tuple(rows.shape))}, k {k}")
-    return r, k
-
-
-def column_amax_bits(b: Tensor, rows: Optional[Tensor] = None) -> Tensor:
-    """The bits (int32) of each column's max |b[:, j]| for b [K, N] (over b[rows] where given), in one
-    launch (and a zero fill)."""
-    r, _ = _gathered(b, rows, None)
-    n = b.shape[1]
+def column_amax_bits(b: Tensor) -> Tensor:
+    """The bits (int32) of each column's max |b[:, j]| for b [K, N], in one launch (and a zero fill)."""
+    k, n = b.shape
     amax = torch.zeros(n, dtype=torch.int32, device=b.device)
-    if r and n:
+    if k and n:
         bk, bn = COLUMN_AMAX_TILE
-        _column_amax_kernel[(triton.cdiv(r, bk), triton.cdiv(n, bn))](
-            b, rows if rows is not None else amax, amax, r, n, b.stride(0), b.stride(1), GATHER=rows is not None,
-            BK=bk, BN=bn, num_warps=8)
+        _column_amax_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](b, amax, k, n, b.stride(0), b.stride(1), BK=bk,
+                                                                       BN=bn, num_warps=8)
     return amax
 
 
-def columns_to_e4m3(b: Tensor, rows: Optional[Tensor] = None, k: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+def columns_to_e4m3(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """b [K, N] (bf16 or fp32, any strides) cast to e4m3 with a power-of-2 scale per column (pow2_scale
     of its amax), written K-major: (the cast [N, K] row-major, the scales [N], their reciprocals [N]).
-    Bit for bit columns_to_e4m3_reference.
-    rows (int32/int64 [R], indices of b's rows), k (>= R, default R): the matrix cast is b[rows] (b
-    where rows is None) followed by zero rows up to k, as pad_rows(b[rows]) would give it, without
-    writing that: the two passes read the rows where they are (srelu24's weight gradients take dY and
-    X in the backward's random token order, padded, as the B of a 2:4 GEMM)."""
-    r, k = _gathered(b, rows, k)
-    n = b.shape[1]
+    Bit for bit columns_to_e4m3_reference."""
+    k, n = b.shape
     out = torch.empty(n, k, dtype=E4M3, device=b.device)
     s, inv = torch.empty(n, dtype=torch.float32, device=b.device), torch.empty(n, dtype=torch.float32, device=b.device)
     if n:
-        amax = column_amax_bits(b, rows)
         _column_cast_kernel[(max(triton.cdiv(k, 64), 1), triton.cdiv(n, 64))](
-            b, rows if rows is not None else amax, amax, out.view(torch.uint8), s, inv, r, k, n, b.stride(0),
-            b.stride(1), GATHER=rows is not None, BK=64, BN=64, num_warps=4)
+            b, column_amax_bits(b), out.view(torch.uint8), s, inv, k, n, b.stride(0), b.stride(1), BK=64, BN=64,
+            num_warps=4)
     return out, s, inv
 
 
-def columns_to_e4m3_reference(b: Tensor, rows: Optional[Tensor] = None,
-                              k: Optional[int] = None) -> tuple[Tensor, Tensor]:
+def columns_to_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:
     """(the cast [N, K], the scales [N]) of columns_to_e4m3, in PyTorch."""
-    if rows is not None or k is not None:
-        b = b[rows.long()] if rows is not None else b
-        b = torch.cat([b, b.new_zeros(max((k or 0) - b.shape[0], 0), b.shape[1])])
     s = pow2_scale(b.float().abs().amax(0)) if b.shape[0] else pow2_scale(b.new_zeros(b.shape[1]))
     return (b.float().t() * s[:, None]).to(E4M3), s

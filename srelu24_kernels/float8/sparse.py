@@ -141,39 +141,36 @@ def compressed_to_e4m3(buf: Tensor, m: int, k: int) -> tuple[Tensor, Tensor]:
     return out.view(E4M3).view(m, -1), scale
 
 
-def kmajor_e4m3(b: Tensor, rows: Tensor | None = None, k: int | None = None) -> tuple[Tensor, Tensor]:
+def kmajor_e4m3(b: Tensor) -> tuple[Tensor, Tensor]:
     """B [K, N] (bf16 or fp32) as e4m3 with a power-of-2 scale per column: (its [K, N] view of a K-major
     [N, K] tensor, the scales [N]): one launch for a K-major B, three (zeros, amaxes, cast) for a
-    row-major one (cast.columns_to_e4m3). rows, k: B is b[rows] followed by zero rows up to k rows
-    (cast.columns_to_e4m3's, read where the rows are)."""
-    if rows is None and (k is None or k == b.shape[0]) and b.t().is_contiguous():
-        q, s = rows_to_e4m3(b.t())  # the transpose of a row-major [N, K]: its rows are B's columns
+    row-major one (cast.columns_to_e4m3)."""
+    if b.t().is_contiguous():  # the transpose of a row-major [N, K]: its rows are B's columns
+        q, s = rows_to_e4m3(b.t())
         return q.t(), s
-    q, s, _ = columns_to_e4m3(b, rows, k)
+    q, s, _ = columns_to_e4m3(b)
     return q.t(), s
 
 
-def kmajor_e4m3_reference(b: Tensor, rows: Tensor | None = None, k: int | None = None) -> tuple[Tensor, Tensor]:
-    q, s = columns_to_e4m3_reference(b, rows, k)
+def kmajor_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:
+    q, s = columns_to_e4m3_reference(b)
     return q.t(), s
 
 
 @triton.jit
-def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, rows_ptr, M, N, DENSE_COLUMNS: tl.constexpr,
-                    ACCUMULATE: tl.constexpr, GATHER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, M, N, DENSE_COLUMNS: tl.constexpr,
+                    ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """out [M, N] = y (bf16) times 1 / sr[i], then 1 / sc[j], in out's dtype (out may be y: in place):
     the reciprocals rounded as torch's (div_rn; exact for powers of 2, NaN for NaN), so no launches
     for them. DENSE_COLUMNS: out is dW2 [d, F], and a dense feature's column j (slot[j] >= 0) is
     g [k, d]'s row slot[j] instead, as write_dense_columns would store it, in the same pass.
-    ACCUMULATE: out += that instead (a weight's .grad, which the op adds into: srelu24_kernels/srelu24/op.py).
-    GATHER: out's row i is y's row rows_ptr[i] (M rows of out; dX back in token order)."""
+    ACCUMULATE: out += that instead (a weight's .grad, which the op adds into: srelu24_kernels/srelu24/op.py)."""
     i = tl.program_id(0) * BM + tl.arange(0, BM)
     j = tl.program_id(1) * BN + tl.arange(0, BN)
     m = (i[:, None] < M) & (j[None, :] < N)
     offs = i[:, None] * N + j[None, :]
-    src = tl.load(rows_ptr + i, mask=i < M, other=0) if GATHER else i
-    y = tl.load(y_ptr + src[:, None] * N + j[None, :], mask=m, other=0.0).to(tl.float32)
-    sr, sc = tl.load(sr_ptr + src, mask=i < M, other=1.0), tl.load(sc_ptr + j, mask=j < N, other=1.0)
+    y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    sr, sc = tl.load(sr_ptr + i, mask=i < M, other=1.0), tl.load(sc_ptr + j, mask=j < N, other=1.0)
     r, c = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), sr), tl.math.div_rn(tl.full([BN], 1.0, tl.float32), sc)
     v = y * r[:, None] * c[None, :]
     if DENSE_COLUMNS:
@@ -187,15 +184,12 @@ def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, rows_ptr, M
 
 
 def _unscale_into(out: Tensor, y: Tensor, row_scale: Tensor, col_scale: Tensor,
-                  dense_columns: tuple[Tensor, Tensor] | None = None, accumulate: bool = False,
-                  rows: Tensor | None = None) -> Tensor:
-    m, n = out.shape
+                  dense_columns: tuple[Tensor, Tensor] | None = None, accumulate: bool = False) -> Tensor:
+    m, n = y.shape
     slots, g = dense_columns if dense_columns is not None else (y, y)  # unread without DENSE_COLUMNS
-    _unscale_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](y, out, row_scale, col_scale, slots, g,
-                                                               rows if rows is not None else y, m, n,
+    _unscale_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](y, out, row_scale, col_scale, slots, g, m, n,
                                                                DENSE_COLUMNS=dense_columns is not None,
-                                                               ACCUMULATE=accumulate, GATHER=rows is not None,
-                                                               BM=32, BN=128, num_warps=4)
+                                                               ACCUMULATE=accumulate, BM=32, BN=128, num_warps=4)
     return out
 
 
@@ -206,8 +200,7 @@ def unscale_(y: Tensor, *, row_scale: Tensor, col_scale: Tensor) -> Tensor:
 
 
 def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch.dtype,
-            dense_columns: tuple[Tensor, Tensor] | None = None, accumulate_into: Tensor | None = None,
-            rows: Tensor | None = None) -> Tensor:
+            dense_columns: tuple[Tensor, Tensor] | None = None, accumulate_into: Tensor | None = None) -> Tensor:
     """unscale_ written in out_dtype (fp32: an fp32 weight's gradient, no cast pass after; bf16: in
     place). With power-of-2 scales the fp32 result is unscale_'s bf16 one, .float(), bit for bit (a
     bf16 times powers of 2 is a bf16) except below 2^-126, where fp32 keeps bits that bf16 drops.
@@ -215,24 +208,16 @@ def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch
     the dense features' columns are written from g in the same pass, as write_dense_columns
     would (which reads and writes all of dW2 once more). accumulate_into (contiguous, out_dtype, y's
     shape: a weight's .grad): the result added into it, which is returned (the same sums, bit for
-    bit, as adding the result afterwards). rows (int32/int64 [M'], indices of y's rows): the result is
-    that of y[rows] ([M', N], a new tensor), gathered in the same pass (dX back in token order:
-    srelu24_kernels/srelu24/op.py); not with dense_columns."""
+    bit, as adding the result afterwards)."""
     if not y.is_contiguous() or y.numel() >= 2**31:  # the kernel's offsets are int32
         raise ValueError(f"unscale needs a contiguous y of fewer than 2^31 elements, got {tuple(y.shape)}, "
                          f"strides {y.stride()}")
-    shape = y.shape if rows is None else (rows.shape[0], y.shape[1])
-    if rows is not None and (dense_columns is not None or rows.dim() != 1 or not rows.is_contiguous()
-                             or rows.dtype not in (torch.int32, torch.int64) or rows.device != y.device):
-        raise ValueError(f"unscale gathers by a contiguous int32/int64 vector of rows on {y.device}, without "
-                         f"dense_columns; got rows {rows.dtype} {tuple(rows.shape)} on {rows.device}"
-                         f"{' and dense_columns' if dense_columns is not None else ''}")
-    if accumulate_into is not None and (accumulate_into.shape != shape or accumulate_into.dtype != out_dtype
+    if accumulate_into is not None and (accumulate_into.shape != y.shape or accumulate_into.dtype != out_dtype
                                         or not accumulate_into.is_contiguous()):
-        raise ValueError(f"unscale accumulates into a contiguous {out_dtype} {tuple(shape)}, got "
+        raise ValueError(f"unscale accumulates into a contiguous {out_dtype} {tuple(y.shape)}, got "
                          f"{accumulate_into.dtype} {tuple(accumulate_into.shape)}, strides {accumulate_into.stride()}")
-    out = (accumulate_into if accumulate_into is not None else y if out_dtype == y.dtype and rows is None
-           else torch.empty(shape, dtype=out_dtype, device=y.device))
+    out = (accumulate_into if accumulate_into is not None else y if out_dtype == y.dtype
+           else torch.empty(y.shape, dtype=out_dtype, device=y.device))
     if dense_columns is not None:
         slots, g = dense_columns
         if (slots.dtype != torch.int32 or slots.shape != (y.shape[1],) or g.shape[1:] != (y.shape[0],)
@@ -240,12 +225,7 @@ def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch
             raise ValueError(f"unscale's dense columns need int32 slots [{y.shape[1]}] and contiguous g [k, {y.shape[0]}] "
                              f"of y's dtype and device, got slots {slots.dtype} {tuple(slots.shape)}, g {g.dtype} "
                              f"{tuple(g.shape)} on {g.device}")
-    return _unscale_into(out, y, row_scale, col_scale, dense_columns, accumulate_into is not None, rows)
-
-
-def reduction_dim(buf: Tensor) -> int:
-    """k of a bf16 compressed buffer [m, 9k/16] (srelu24_kernels/cusparselt/layout.py)."""
-    return buf.shape[1] * 16 // 9
+    return _unscale_into(out, y, row_scale, col_scale, dense_columns, accumulate_into is not None)
 
 
 def available(device) -> bool:
@@ -255,39 +235,33 @@ def available(device) -> bool:
             and (torch.backends.cusparselt.version() or 0) >= 600)
 
 
-def usable(buf: Tensor, b: Tensor, k: int | None = None) -> bool:
+def usable(buf: Tensor, b: Tensor) -> bool:
     """sparse_mm runs these operands: a bf16 compressed A and a bf16 or fp32 B (an fp32 weight: its
     e4m3 conversion reads fp32) on an sm90 GPU with cuSPARSELt >= 0.6 (e4m3 kernels), A's rows and
     the reduction dimension (B's rows) multiples of 64 (the e4m3 layout's tile). Otherwise the
     caller's bf16 2:4 GEMM runs: so the weight gradients do where the tokens per micro-batch are not
-    a multiple of 64 (they are padded to 32). k: B's rows where they are not b's (b gathered and
-    padded to them: sparse_and_dense_mm's b_rows)."""
-    k = b.shape[0] if k is None else k
+    a multiple of 64 (they are padded to 32)."""
     return (buf.is_cuda and buf.dtype == torch.bfloat16 and b.dtype in (torch.bfloat16, torch.float32)
             and available(buf.device)
-            and buf.shape[0] % 64 == 0 and k % 64 == 0 and buf.numel() * 16 == buf.shape[0] * k * 9)
+            and buf.shape[0] % 64 == 0 and b.shape[0] % 64 == 0 and buf.numel() * 16 == buf.shape[0] * b.shape[0] * 9)
 
 
 def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool,
-                    out_dtype: torch.dtype = torch.bfloat16, dense_columns=None, accumulate_into=None,
-                    rows: Tensor | None = None) -> Tensor:
+                    out_dtype: torch.dtype = torch.bfloat16, dense_columns=None, accumulate_into=None) -> Tensor:
     m, k = buf.shape[0], b8.shape[0]
     a8, sa = compressed_to_e4m3(buf, m, k)
     y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
     sr, sc = (sb, sa) if transpose_result else (sa, sb)  # transposed, y is (A B)^T: B's columns are its rows
     return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=dense_columns,
-                   accumulate_into=accumulate_into, rows=rows)
+                   accumulate_into=accumulate_into)
 
 
 def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False,
-              b_e4m3: tuple[Tensor, Tensor] | None = None, rows: Tensor | None = None) -> Tensor:
+              b_e4m3: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
     in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as srelu24_kernels.srelu24.op.sparse_mm.
-    b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's, kept for an optimizer step: srelu24_kernels/srelu24/options.py).
-    rows: (A @ B)[rows], gathered by the unscaling pass (dX = dZ W1 back in token order)."""
-    if rows is not None and transpose_result:
-        raise ValueError("sparse_mm gathers rows of a product that is not transposed")
-    return _sparse_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), transpose_result, rows=rows)
+    b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's, kept for an optimizer step: srelu24_kernels/srelu24/options.py)."""
+    return _sparse_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), transpose_result)
 
 
 def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
@@ -308,18 +282,15 @@ def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
 
 def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
                         out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
-                        accumulate_into: Tensor | None = None,
-                        b_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                        accumulate_into: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
     of B: a weight gradient's 2:4 product and its dense features' rows (srelu24_kernels/srelu24/op.py).
     out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
     stay bf16 (dense_mm's), widened where write_dense_rows/columns store them. slots (dW2, with
     transpose_result): the dense rows go into the product's columns in its unscaling pass instead,
     and None comes back in their place. accumulate_into: the 2:4 product added into it (unscale's),
-    and it returned in the product's place. b_rows: B is b[b_rows] followed by zero rows up to A's
-    reduction dimension (b itself so padded where b_rows is None and b has fewer rows), gathered by
-    B's conversion (dY and X in the backward's token order: srelu24_kernels/srelu24/op.py)."""
-    b8, sb = kmajor_e4m3(b, b_rows, reduction_dim(buf))
+    and it returned in the product's place."""
+    b8, sb = kmajor_e4m3(b)
     dense = None if dense_rows is None else dense_mm(dense_rows, b8, sb)
     if slots is not None and dense is not None:
         if not transpose_result:
@@ -332,16 +303,14 @@ def _dequantized(q: Tensor, s: Tensor) -> Tensor:
     return q.float() / s
 
 
-def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False, b_e4m3=None,
-                        rows: Tensor | None = None) -> Tensor:
+def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False, b_e4m3=None) -> Tensor:
     """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied.
     b_e4m3 is not read: the reference converts b itself."""
     m, k = buf.shape[0], b.shape[0]
     a8, sa = rows_to_e4m3_reference(decompress(buf, m, k))
     b8, sb = kmajor_e4m3_reference(b)
     y = _dequantized(a8, sa[:, None]) @ _dequantized(b8, sb[None, :])
-    y = (y.t().contiguous() if transpose_result else y).to(torch.bfloat16)
-    return y if rows is None else y[rows.long()]
+    return (y.t().contiguous() if transpose_result else y).to(torch.bfloat16)
 
 
 def dense_mm_reference(a: Tensor, b: Tensor) -> Tensor:
@@ -353,12 +322,9 @@ def dense_mm_reference(a: Tensor, b: Tensor) -> Tensor:
 
 def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
                                   out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
-                                  accumulate_into: Tensor | None = None,
-                                  b_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                                  accumulate_into: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """What sparse_and_dense_mm computes: the product's bf16 widened to out_dtype, and with slots
     the dense rows written as its columns; with accumulate_into, that added into it."""
-    b = b[b_rows.long()] if b_rows is not None else b
-    b = torch.cat([b, b.new_zeros(reduction_dim(buf) - b.shape[0], b.shape[1])])
     y = sparse_mm_reference(buf, b, transpose_result).to(out_dtype)
     dense = None if dense_rows is None else dense_mm_reference(dense_rows, b)
     if slots is not None and dense is not None:

@@ -111,28 +111,23 @@ def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool, converted=None) -> 
     return fp8_gemm.mm(a, b, float8, grad, b_float8=converted)
 
 
-def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False, converted=None,
-               rows: Optional[Tensor] = None) -> Tensor:
+def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False, converted=None) -> Tensor:
     """A @ B with A compressed, in e4m3 where asked and the shapes allow it (rows and reduction
-    multiples of 64), else in bf16. rows: (A @ B)[rows] (in e4m3 gathered by the unscaling pass)."""
+    multiples of 64), else in bf16."""
     if e4m3 and fp8_sparse.usable(a, b):
-        return fp8_sparse.sparse_mm(a, b, transpose_result, b_e4m3=converted, rows=rows)
-    y = sparse_mm(a, b.to(torch.bfloat16), transpose_result)
-    return y if rows is None else y.index_select(0, rows)
+        return fp8_sparse.sparse_mm(a, b, transpose_result, b_e4m3=converted)
+    return sparse_mm(a, b.to(torch.bfloat16), transpose_result)
 
 
-def _weight_grad_mm(a: Tensor, dense_rows: Optional[Tensor], b: Tensor, perm: Optional[Tensor], e4m3: bool,
-                    out_dtype: torch.dtype, transpose_result: bool = False, slots: Optional[Tensor] = None,
+def _weight_grad_mm(a: Tensor, dense_rows: Optional[Tensor], b: Tensor, e4m3: bool, out_dtype: torch.dtype,
+                    transpose_result: bool = False, slots: Optional[Tensor] = None,
                     into: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
-    """(a weight gradient's 2:4 product in out_dtype, its dense features' exact rows dense_rows @ B
-    or None), B being b [T, n] in the token order perm (None: b's), padded with zero rows to the
-    compressed a's tokens: in e4m3 where the 2:4 GEMMs are (one conversion of B for both, which
-    gathers and pads b's rows as it reads them; the product written in out_dtype by the unscaling
-    pass, which also writes the dense rows as dW2's columns where given `slots`, None coming back
-    for them, and adds into `into` where given, returning it), else bf16 (B written out)."""
-    if e4m3 and fp8_sparse.usable(a, b, fp8_sparse.reduction_dim(a)):
-        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots, into, b_rows=perm)
-    b = pad_rows(b[perm] if perm is not None else b, COLS_PER_CHUNK)
+    """(a weight gradient's 2:4 product in out_dtype, its dense features' exact rows dense_rows @ b
+    or None): in e4m3 where the 2:4 GEMMs are (one conversion of b for both; the product written in
+    out_dtype by the unscaling pass, which also writes the dense rows as dW2's columns where given
+    `slots`, None coming back for them, and adds into `into` where given, returning it), else bf16."""
+    if e4m3 and fp8_sparse.usable(a, b):
+        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots, into)
     return sparse_mm(a, b, transpose_result).to(out_dtype), None if dense_rows is None else dense_rows @ b
 
 
@@ -198,12 +193,12 @@ def _input_grad(ops: _SparseOperands, saved: Tensor, da: Tensor, w1: Tensor, per
     """dX = dZ W1 in token order."""
     if not o.recipe.reuse_forward_mask:  # dZ is not 2:4 then: a dense GEMM (the ablation), from Z
         return (da * (2 * F.relu(saved))) @ w1.to(torch.bfloat16)
-    if perm is None:
-        return _sparse_mm(ops.dz, w1, o.e4m3, converted=kept and kept.for_dx)[:T]
-    # back to token order: a gather by the inverse (a scatter is slower), in e4m3 by the unscaling pass
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(T, device=perm.device, dtype=perm.dtype)
-    return _sparse_mm(ops.dz, w1, o.e4m3, converted=kept and kept.for_dx, rows=inverse)
+    dx = _sparse_mm(ops.dz, w1, o.e4m3, converted=kept and kept.for_dx)[:T]
+    if perm is not None:  # back to token order: a gather by the inverse (a scatter is slower)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(T, device=perm.device, dtype=perm.dtype)
+        dx = dx.index_select(0, inverse)
+    return dx
 
 
 def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Tensor, perm, dense, slots, w1: Tensor, w2: Tensor,
@@ -211,13 +206,15 @@ def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Tensor, perm, dense, slot
     """(dW1 [F, d], dW2 [d, F]) in the weights' dtypes; with `grads`, added into them instead (and
     those returned)."""
     g1, g2 = grads if grads is not None else (None, None)
+    dy_p = pad_rows(dy[perm] if perm is not None else dy, COLS_PER_CHUNK)
+    x_p = pad_rows(x[perm] if perm is not None else x, COLS_PER_CHUNK)
     (s_a, a_dense), (s_dz, dz_dense) = ops.a_tokens, ops.dz_tokens
     has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
-    dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy, perm, o.e4m3, w2.dtype,
+    dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, o.e4m3, w2.dtype,
                                      transpose_result=True, slots=slots, into=g2)
     if dw2_dense is not None:  # dw2 is [d, F]; in e4m3 its dense columns are already written
         write_dense_columns(dw2, slots, dw2_dense)
-    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x, perm, o.e4m3, w1.dtype, into=g1)
+    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, o.e4m3, w1.dtype, into=g1)
     if has_dense:
         write_dense_rows(dw1, dense, dw1_dense, accumulate=dw1 is g1 and g1 is not None)
     for g, dw in ((g1, dw1), (g2, dw2)):
