@@ -241,7 +241,7 @@ def _grad_buffer(p: nn.Parameter) -> Optional[Tensor]:
 def keeps_conversions(several: bool, float8: str) -> bool:
     """Whether srelu24's step state keeps the weights' e4m3 conversions for a step of `several`
     micro-batches or one: kept across several always; for one under the tensorwise recipe too, where
-    two passes over each weight make all four (srelu24_kernels/float8/weights.py) and the op, making
+    two passes over each weight make all four (srelu24_kernels/float8/paired.py) and the op, making
     them at each use, would read each weight more often. training/memory.py counts them by it."""
     return several or float8 == "tensorwise"
 

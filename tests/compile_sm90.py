@@ -58,17 +58,19 @@ def empty(*shape, dtype=torch.bfloat16):
 
 
 def weight_conversions():
-    """srelu24's kept e4m3 conversions of fp32 (and bf16) W1 [F, d], W2 [d, F]: the tensorwise pair
-    (weights.py) and one by one (rowwise: fp8_sparse.kmajor_e4m3, fp8_gemm.b_operand's casts)."""
-    from srelu24_kernels.float8 import gemm, sparse, weights
-    for d, f, _ in SHAPES.values():
+    """srelu24's kept e4m3 conversions of fp32 (and bf16) W1 [F, d], W2 [d, F]: the tensorwise pairs
+    (paired.py) and one by one (rowwise: fp8_sparse.kmajor_e4m3, fp8_gemm.b_operand's casts); dY's
+    pair (e5m2 and e4m3) in the tensorwise backward."""
+    from srelu24_kernels.float8 import gemm, paired, sparse
+    for d, f, t in SHAPES.values():
         for dt in (torch.float32, torch.bfloat16):
             w1, w2 = empty(f, d, dtype=dt), empty(d, f, dtype=dt)
-            weights.weight_casts(w1, "tensor", "cols")
-            weights.weight_casts(w2, "rows", "tensor")
+            paired.paired_casts(w1, "tensor", "cols")
+            paired.paired_casts(w2, "rows", "tensor")
             sparse.kmajor_e4m3(w2.t())   # Y's B: rows of W2
             sparse.kmajor_e4m3(w1)       # dX's B: columns of W1
             gemm.rowwise_e4m3(w1)        # Z's B, rowwise
+        paired.paired_casts(empty(t, d), "tensor", "cols", dtypes=(paired.E5M2, paired.E4M3))  # dY's pair
 
 
 def scaled_casts():

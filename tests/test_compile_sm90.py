@@ -45,8 +45,8 @@ def test_kernels_compile_for_sm90(launched):
     defined = set(re.findall(r"^kernel (\S+)$", out, re.M))
     assert len(defined) >= 14, out  # the package's kernels were found
     assert defined <= compiled, f"kernels that no case of tests/compile_sm90.py launches: {sorted(defined - compiled)}"
-    # the new pair of weights.py, compiled as the tensorwise conversions launch it: fp32 and bf16
-    assert "srelu24_kernels.float8.weights._cast_kernel" in compiled
+    # paired.py's casts, compiled as the tensorwise conversions launch them (weights, dY)
+    assert "srelu24_kernels.float8.paired._cast_kernel" in compiled
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")

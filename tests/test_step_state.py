@@ -368,7 +368,7 @@ def test_the_step_keeps_conversions_where_conversions_kept_says(monkeypatch):
 
 def test_tensorwise_keeps_the_conversions_of_one_micro_batch_too():
     """Two passes over each weight make all four conversions under tensorwise
-    (srelu24_kernels/float8/weights.py), fewer than the op's one-by-one conversions at each use:
+    (srelu24_kernels/float8/paired.py), fewer than the op's one-by-one conversions at each use:
     kept with one micro-batch too; rowwise and bf16 keep them across several only."""
     from torch import nn
 

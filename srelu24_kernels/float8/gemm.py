@@ -190,21 +190,29 @@ def b_operand(b: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
     return b8, ib
 
 
-def _operands(a: Tensor, b: Tensor, recipe: str, grad: bool, b_float8=None):
-    """a, b in float8 and the reciprocals of their scales (what _scaled_mm multiplies by)."""
+def a_operand(a: Tensor, recipe: str, grad: bool) -> tuple[Tensor, Tensor]:
+    """a [M, K] as _scaled_mm's A: in float8 (torchao's gradient format where `grad`), row-major,
+    scaled per row (rowwise) or as a whole, and the reciprocal of its scale."""
     r = RECIPES[recipe]
-    # a [M, K] scaled per row, b [K, N] per column: both along K, the reduction
     a8, _, ia = to_float8(a, r.grad_dtype if grad else E4M3, 1 if r.rowwise else None, r.pow2_scales)
+    return a8, ia
+
+
+def _operands(a: Tensor, b: Tensor, recipe: str, grad: bool, b_float8=None, a_float8=None):
+    """a, b in float8 and the reciprocals of their scales (what _scaled_mm multiplies by)."""
+    # a [M, K] scaled per row, b [K, N] per column: both along K, the reduction
+    a8, ia = a_float8 if a_float8 is not None else a_operand(a, recipe, grad)
     b8, ib = b_float8 if b_float8 is not None else b_operand(b, recipe)
     return a8, ia, b8, ib
 
 
 def mm(a: Tensor, b: Tensor, recipe: str, grad: bool = False,
-       b_float8: tuple[Tensor, Tensor] | None = None) -> Tensor:
+       b_float8: tuple[Tensor, Tensor] | None = None, a_float8: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """a [M, K] @ b [K, N] in float8, bf16 out. grad: `a` is an output gradient (dA = dY W2):
     torchao's gradient dtype and exact accumulation; else e4m3 and fast accumulation (forward).
-    b_float8: b_operand(b, recipe), where the caller has it already."""
-    a8, sa, b8, sb = _operands(a.contiguous(), b, recipe, grad, b_float8)
+    b_float8, a_float8: b_operand(b, recipe), a_operand(a, recipe, grad), where the caller has them
+    already (a kept weight's; dY's, made with its other conversion: srelu24_kernels/float8/paired.py)."""
+    a8, sa, b8, sb = _operands(a.contiguous(), b, recipe, grad, b_float8, a_float8)
     return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=not grad)
 
 

@@ -282,15 +282,17 @@ def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
 
 def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
                         out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
-                        accumulate_into: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                        accumulate_into: Tensor | None = None,
+                        b_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
     of B: a weight gradient's 2:4 product and its dense features' rows (srelu24_kernels/srelu24/op.py).
     out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
     stay bf16 (dense_mm's), widened where write_dense_rows/columns store them. slots (dW2, with
     transpose_result): the dense rows go into the product's columns in its unscaling pass instead,
     and None comes back in their place. accumulate_into: the 2:4 product added into it (unscale's),
-    and it returned in the product's place."""
-    b8, sb = kmajor_e4m3(b)
+    and it returned in the product's place. b_e4m3: kmajor_e4m3(b), where the caller has it already
+    (dY's, made with its other conversion: srelu24_kernels/float8/paired.py)."""
+    b8, sb = b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)
     dense = None if dense_rows is None else dense_mm(dense_rows, b8, sb)
     if slots is not None and dense is not None:
         if not transpose_result:
@@ -322,9 +324,10 @@ def dense_mm_reference(a: Tensor, b: Tensor) -> Tensor:
 
 def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
                                   out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
-                                  accumulate_into: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                                  accumulate_into: Tensor | None = None, b_e4m3=None) -> tuple[Tensor, Tensor | None]:
     """What sparse_and_dense_mm computes: the product's bf16 widened to out_dtype, and with slots
-    the dense rows written as its columns; with accumulate_into, that added into it."""
+    the dense rows written as its columns; with accumulate_into, that added into it. b_e4m3 is not
+    read: the reference converts b itself."""
     y = sparse_mm_reference(buf, b, transpose_result).to(out_dtype)
     dense = None if dense_rows is None else dense_mm_reference(dense_rows, b)
     if slots is not None and dense is not None:

@@ -27,6 +27,8 @@ The backward's modes, and who sets them:
     e4m3                          OpOptions (float8 set, sparse_float8 on)  the 2:4 GEMMs' precision
     dense features                the forward's counts                      exact rows of dW1, columns of dW2
     kept weight conversions       StepState (training/step.py)              the weights' e4m3 conversions reused
+    dY's conversions paired       tensorwise, e4m3, tokens in their order   dA's A and dW2's B from one pair of
+                                  (_gradient_casts)                         passes over dY (float8/paired.py)
     gradients added into .grad    StepState (training/step.py)              dW1, dW2 added into the given buffers
 
 Weights: bf16, or in e4m3 mode fp32 as the model keeps them (every use of a weight there is an e4m3
@@ -48,8 +50,8 @@ from ..cusparselt.layout import COLS_PER_CHUNK, ROWS_PER_BAND, pad_rows, padded
 from ..ffn_stats import N_SUMS, srelu24_sums_from_counts
 from ..float8 import gemm as fp8_gemm
 from ..float8 import sparse as fp8_sparse
-from ..float8 import weights as fp8_weights
-from ..float8.weights import Cast
+from ..float8 import paired as fp8_paired
+from ..float8.paired import Cast
 from .native import KERNELS
 from .options import OpOptions, StepState, WeightOperands
 from .reference import densest_from_counts, random_token_order
@@ -60,16 +62,16 @@ from .sparsify_backward import (a24_usable, backward_operands, backward_operands
 @torch.no_grad()
 def convert_weights(w1: Tensor, w2: Tensor, options: OpOptions, out: Optional[WeightOperands] = None) -> WeightOperands:
     """Every conversion of W1 and W2 the e4m3 op makes, as it makes them. Under the tensorwise recipe
-    two passes over each weight make both of its conversions (fp8_weights.weight_casts: the same
+    two passes over each weight make both of its conversions (fp8_paired.paired_casts: the same
     bytes), written into `out`'s tensors where given (a CUDA graph's kept ones); else one by one,
     copied into `out`."""
     if options.float8 == "tensorwise" and w1.is_contiguous() and w2.is_contiguous():
         o = out or WeightOperands((None, None), (None, None), (None, None), (None, None))
         t = lambda v: None if v is None else v.t()  # noqa: E731 (the kept views are transposes of the casts)
-        z, dx = fp8_weights.weight_casts(w1, "tensor", "cols", (Cast(t(o.for_z[0]), None, o.for_z[1]),
-                                                                 Cast(t(o.for_dx[0]), o.for_dx[1], None)))
-        y, da = fp8_weights.weight_casts(w2, "rows", "tensor", (Cast(t(o.for_y[0]), o.for_y[1], None),
-                                                                Cast(t(o.for_da[0]), None, o.for_da[1])))
+        z, dx = fp8_paired.paired_casts(w1, "tensor", "cols", (Cast(t(o.for_z[0]), None, o.for_z[1]),
+                                                               Cast(t(o.for_dx[0]), o.for_dx[1], None)))
+        y, da = fp8_paired.paired_casts(w2, "rows", "tensor", (Cast(t(o.for_y[0]), o.for_y[1], None),
+                                                               Cast(t(o.for_da[0]), None, o.for_da[1])))
         return WeightOperands(for_z=(z.values.t(), z.inv), for_y=(y.values.t(), y.scale),
                               for_da=(da.values.t(), da.inv), for_dx=(dx.values.t(), dx.scale))
     fresh = WeightOperands(for_z=fp8_gemm.b_operand(w1.t(), options.float8), for_y=fp8_sparse.kmajor_e4m3(w2.t()),
@@ -105,10 +107,10 @@ def _check_dtypes(op: str, w1: Tensor, w2: Tensor, **tensors: Tensor) -> None:
 # ------------------------------------------------------------------ the GEMMs
 # b is a weight in _dense_mm and _sparse_mm: `converted` is its conversion where the step made it.
 
-def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool, converted=None) -> Tensor:
+def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool, converted=None, a_converted=None) -> Tensor:
     if float8 == "none":
         return a @ b.to(torch.bfloat16)
-    return fp8_gemm.mm(a, b, float8, grad, b_float8=converted)
+    return fp8_gemm.mm(a, b, float8, grad, b_float8=converted, a_float8=a_converted)
 
 
 def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False, converted=None) -> Tensor:
@@ -121,13 +123,15 @@ def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False,
 
 def _weight_grad_mm(a: Tensor, dense_rows: Optional[Tensor], b: Tensor, e4m3: bool, out_dtype: torch.dtype,
                     transpose_result: bool = False, slots: Optional[Tensor] = None,
-                    into: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+                    into: Optional[Tensor] = None, converted=None) -> tuple[Tensor, Optional[Tensor]]:
     """(a weight gradient's 2:4 product in out_dtype, its dense features' exact rows dense_rows @ b
-    or None): in e4m3 where the 2:4 GEMMs are (one conversion of b for both; the product written in
-    out_dtype by the unscaling pass, which also writes the dense rows as dW2's columns where given
-    `slots`, None coming back for them, and adds into `into` where given, returning it), else bf16."""
+    or None): in e4m3 where the 2:4 GEMMs are (one conversion of b for both, `converted` where the
+    caller made it; the product written in out_dtype by the unscaling pass, which also writes the
+    dense rows as dW2's columns where given `slots`, None coming back for them, and adds into `into`
+    where given, returning it), else bf16."""
     if e4m3 and fp8_sparse.usable(a, b):
-        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots, into)
+        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots, into,
+                                              b_e4m3=converted)
     return sparse_mm(a, b, transpose_result).to(out_dtype), None if dense_rows is None else dense_rows @ b
 
 
@@ -202,16 +206,16 @@ def _input_grad(ops: _SparseOperands, saved: Tensor, da: Tensor, w1: Tensor, per
 
 
 def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Tensor, perm, dense, slots, w1: Tensor, w2: Tensor,
-                  o: OpOptions, grads: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+                  o: OpOptions, grads: Optional[tuple[Tensor, Tensor]], dy_e4m3=None) -> tuple[Tensor, Tensor]:
     """(dW1 [F, d], dW2 [d, F]) in the weights' dtypes; with `grads`, added into them instead (and
-    those returned)."""
+    those returned). dy_e4m3: dW2's B, where _gradient_casts made it."""
     g1, g2 = grads if grads is not None else (None, None)
     dy_p = pad_rows(dy[perm] if perm is not None else dy, COLS_PER_CHUNK)
     x_p = pad_rows(x[perm] if perm is not None else x, COLS_PER_CHUNK)
     (s_a, a_dense), (s_dz, dz_dense) = ops.a_tokens, ops.dz_tokens
     has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
     dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, o.e4m3, w2.dtype,
-                                     transpose_result=True, slots=slots, into=g2)
+                                     transpose_result=True, slots=slots, into=g2, converted=dy_e4m3)
     if dw2_dense is not None:  # dw2 is [d, F]; in e4m3 its dense columns are already written
         write_dense_columns(dw2, slots, dw2_dense)
     dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, o.e4m3, w1.dtype, into=g1)
@@ -221,6 +225,21 @@ def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Tensor, perm, dense, slot
         if g is not None and dw is not g:  # a bf16 path, which wrote its own product
             g.add_(dw)
     return (g1, g2) if grads is not None else (dw1, dw2)
+
+
+def _gradient_casts(dy: Tensor, F_: int, o: OpOptions, perm) -> Optional[tuple[tuple, tuple]]:
+    """dY's two float8 conversions from two passes over it (fp8_paired.paired_casts, the bytes of the
+    one-by-one ones): (dA = dY W2's A: e5m2 scaled as a whole, as fp8_gemm.a_operand; dW2's B:
+    e4m3 per column, K-major, as fp8_sparse.kmajor_e4m3), where both GEMMs take those: the
+    tensorwise recipe, e4m3 2:4 GEMMs that fp8_sparse.usable will accept (an sm90 GPU, F and the
+    tokens multiples of 64) and the tokens in their own order (the block permuted them, or no
+    order is drawn). Else None: each GEMM converts dY itself."""
+    T = dy.shape[0]
+    if not (o.float8 == "tensorwise" and o.e4m3 and perm is None and T % 64 == 0 and F_ % 64 == 0
+            and fp8_sparse.available(dy.device)):
+        return None
+    for_da, for_dw2 = fp8_paired.paired_casts(dy, "tensor", "cols", dtypes=(fp8_paired.E5M2, fp8_paired.E4M3))
+    return (for_da.values, for_da.inv), (for_dw2.values.t(), for_dw2.scale)
 
 
 @torch.library.custom_op("srelu24::ffn_backward", mutates_args=("grad_w1", "grad_w2"))
@@ -237,13 +256,14 @@ def ffn_backward(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, c
     grads = (grad_w1, grad_w2) if grad_w1 is not None and grad_w2 is not None else None
     T, F_ = x.shape[0], w1.shape[0]
     dy = dy.to(torch.bfloat16).contiguous()
-    da = _dense_mm(dy, w2, o.float8, grad=True, converted=kept and kept.for_da)   # [T, F]
     perm = random_token_order(T, x.device) if token_permutation else None
+    dy8 = _gradient_casts(dy, F_, o, perm)
+    da = _dense_mm(dy, w2, o.float8, grad=True, converted=kept and kept.for_da, a_converted=dy8 and dy8[0])  # [T, F]
     dense = densest_from_counts(counts, dense_feature_fraction)
     slots = dense_slots(dense, F_, x.device)[0] if dense is not None else None
     ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask)
     dx = _input_grad(ops, saved, da, w1, perm, T, o, kept)
-    dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads)
+    dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy8 and dy8[1])
     if grads is not None:
         return dx.contiguous(), dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
     return dx.contiguous(), dw1.contiguous(), dw2

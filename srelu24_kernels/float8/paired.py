@@ -1,21 +1,23 @@
-"""A weight's two e4m3 conversions in two passes over it: srelu24's kept conversions of W1 and W2
-under the tensorwise recipe (srelu24_kernels/srelu24/op.py, convert_weights), once per optimizer step.
+"""A matrix's two float8 conversions in two passes over it, for srelu24's op under the tensorwise
+recipe (srelu24_kernels/srelu24/op.py), where one matrix feeds two GEMMs that each want their own copy:
 
-Each fp32 weight W [R, C] feeds two GEMMs, each wanting its own e4m3 copy: W1 as Z's B (one scale
-for the tensor, W1's own layout) and as dX's B (a power-of-2 scale per column, transposed); W2 as
-Y's B (one per row, its own layout) and as dA's B (one for the tensor, transposed). Made one by one
-(fp8_gemm.b_operand, fp8_sparse.kmajor_e4m3) they read W seven times in ten launches per layer;
-here
+    W1 [F, d]  Z's B: e4m3, one scale, own layout;     dX's B: e4m3, a scale per column, transposed
+    W2 [d, F]  Y's B: e4m3, a scale per row, own;      dA's B: e4m3, one scale, transposed
+    dY [T, d]  dA's A: e5m2, one scale, own layout;    dW2's B: e4m3, a scale per column, transposed
+
+(the weights' once per optimizer step, convert_weights; dY's in each backward, where the 2:4 GEMMs
+are e4m3). Made one by one (fp8_gemm's operands, fp8_sparse.kmajor_e4m3) each conversion reads the
+matrix twice (an amax, then the cast) in three or four launches; here
     1. one pass takes the amaxes both casts need (row, column and tensor, as atomic maxima of
-       |w|'s bits: NaN > inf > every finite value, so a NaN survives);
+       |x|'s bits: NaN > inf > every finite value, so a NaN survives);
     2. one pass reads each tile once and writes both casts, one of them transposed,
-so W is read twice, in three launches (with the amaxes' zero fill), and the casts may be written
-into given tensors (a CUDA graph's kept buffers) rather than copied there.
+so the matrix is read twice, in three launches (with the amaxes' zero fill), and the casts may be
+written into given tensors (a CUDA graph's kept buffers) rather than copied there.
 
-Bit for bit the one-by-one conversions (tests/test_weight_casts.py): the tensor's scale is torchao's
-amax_to_scale (fp8_gemm.amax_to_scale: float64 division, then float32), the rows' and columns' are
-cast.pow2_scale; values are scaled in fp32, clamped to +-448 (NaN kept) and rounded to e4m3.
-`weight_casts_reference` is the same in PyTorch.
+Bit for bit the one-by-one conversions (tests/test_paired_casts.py): a tensor's scale is torchao's
+amax_to_scale for its format (fp8_gemm.amax_to_scale: float64 division, then float32), the rows'
+and columns' are cast.pow2_scale (e4m3's); values are scaled in fp32, clamped to the format's
+largest value (NaN kept) and rounded. `paired_casts_reference` is the same in PyTorch.
 """
 from typing import NamedTuple, Optional
 
@@ -27,14 +29,14 @@ from torch import Tensor
 from .cast import COLUMN_AMAX_TILE, pow2_scale, pow2_scale_triton, scaled_cast_reference, to_float8_bits
 from .gemm import amax_to_scale_reference, amax_to_scale_triton
 
-E4M3 = torch.float8_e4m3fn
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 KINDS = {"tensor": 0, "rows": 1, "cols": 2}
 AMAX_TILE = COLUMN_AMAX_TILE  # the fastest tile of a weight's column amaxes (cast.py)
 CAST_TILE = (64, 64)   # as cast.scaled_cast's transposing tile
 
 
 class Cast(NamedTuple):
-    """One e4m3 copy of a weight: its values, its scale(s) and their reciprocals (float32; a 0-dim
+    """One float8 copy of a matrix: its values, its scale(s) and their reciprocals (float32; a 0-dim
     tensor for "tensor", one per row [R] or per column [C] otherwise)."""
     values: Tensor
     scale: Tensor
@@ -60,9 +62,10 @@ def _amax_kernel(w_ptr, rows_ptr, cols_ptr, tensor_ptr, R, C, ROWS: tl.constexpr
 
 
 @triton.jit
-def _tensor_scale(tensor_ptr):
-    """The tensor's scale from its amax bits, as a [1] tensor (fp8_gemm.amax_to_scale_triton)."""
-    return amax_to_scale_triton(tl.load(tensor_ptr + tl.arange(0, 1)).to(tl.float32, bitcast=True), 448.0)
+def _tensor_scale(tensor_ptr, E5M2: tl.constexpr):
+    """The tensor's scale for the format from its amax bits, as a [1] tensor (fp8_gemm.amax_to_scale_triton)."""
+    return amax_to_scale_triton(tl.load(tensor_ptr + tl.arange(0, 1)).to(tl.float32, bitcast=True),
+                                57344.0 if E5M2 else 448.0)
 
 
 @triton.jit
@@ -73,16 +76,17 @@ def _pow2_scales(bits_ptr, k, n):
 
 
 @triton.jit
-def _cast_tile(w, kind: tl.constexpr, s_tensor, s_rows, s_cols):
+def _cast_tile(w, kind: tl.constexpr, s_tensor, s_rows, s_cols, E5M2: tl.constexpr):
     """The tile w [BR, BC] times the cast's scale (KINDS: 0 tensor, 1 rows, 2 columns), clamped to
-    +-448 with NaN kept, rounded to e4m3 (its bits)."""
+    the format's largest value with NaN kept, rounded to e4m3 (e5m2: E5M2), as bytes."""
     if kind == 0:
         y = w * s_tensor[None, :]
     elif kind == 1:
         y = w * s_rows[:, None]
     else:
         y = w * s_cols[None, :]
-    return to_float8_bits(tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), False)
+    fmax = 57344.0 if E5M2 else 448.0
+    return to_float8_bits(tl.clamp(y, -fmax, fmax, propagate_nan=tl.PropagateNan.ALL), E5M2)
 
 
 @triton.jit
@@ -107,50 +111,59 @@ def _store_scales(kind: tl.constexpr, s_tensor, s_rows, s_cols, scale_ptr, inv_p
 
 @triton.jit
 def _cast_kernel(w_ptr, rows_ptr, cols_ptr, tensor_ptr, own_ptr, own_s_ptr, own_inv_ptr, t_ptr, t_s_ptr, t_inv_ptr,
-                 R, C, OWN: tl.constexpr, TRANS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """w's tile cast per OWN into own [R, C], and per TRANS into t [C, R] (transposed in registers)."""
+                 R, C, OWN: tl.constexpr, TRANS: tl.constexpr, OWN_E5M2: tl.constexpr, TRANS_E5M2: tl.constexpr,
+                 BR: tl.constexpr, BC: tl.constexpr):
+    """w's tile cast per OWN into own [R, C], and per TRANS into t [C, R] (transposed in registers);
+    each in e4m3, or e5m2 where its *_E5M2 (a "tensor" kind only: the tensor's scale is the format's)."""
     i = tl.program_id(0) * BR + tl.arange(0, BR)
     j = tl.program_id(1) * BC + tl.arange(0, BC)
     m = (i[:, None] < R) & (j[None, :] < C)
     w = tl.load(w_ptr + i[:, None] * C + j[None, :], mask=m, other=0.0).to(tl.float32)
-    s_tensor = _tensor_scale(tensor_ptr)
+    s_own = _tensor_scale(tensor_ptr, OWN_E5M2)
+    s_trans = _tensor_scale(tensor_ptr, TRANS_E5M2)
     s_rows = _pow2_scales(rows_ptr, i, R)
     s_cols = _pow2_scales(cols_ptr, j, C)
-    _store_scales(OWN, s_tensor, s_rows, s_cols, own_s_ptr, own_inv_ptr, i, j, R, C)
-    _store_scales(TRANS, s_tensor, s_rows, s_cols, t_s_ptr, t_inv_ptr, i, j, R, C)
-    tl.store(own_ptr + i[:, None] * C + j[None, :], _cast_tile(w, OWN, s_tensor, s_rows, s_cols), mask=m)
-    qt = _cast_tile(w, TRANS, s_tensor, s_rows, s_cols)
+    _store_scales(OWN, s_own, s_rows, s_cols, own_s_ptr, own_inv_ptr, i, j, R, C)
+    _store_scales(TRANS, s_trans, s_rows, s_cols, t_s_ptr, t_inv_ptr, i, j, R, C)
+    tl.store(own_ptr + i[:, None] * C + j[None, :], _cast_tile(w, OWN, s_own, s_rows, s_cols, OWN_E5M2), mask=m)
+    qt = _cast_tile(w, TRANS, s_trans, s_rows, s_cols, TRANS_E5M2)
     tl.store(t_ptr + j[:, None] * R + i[None, :], tl.trans(qt), mask=(j[:, None] < C) & (i[None, :] < R))
 
 
-def _cast_into(name: str, given: Optional[Cast], kind: str, shape: tuple, r: int, c: int, device) -> Cast:
+def _cast_into(name: str, given: Optional[Cast], kind: str, dtype: torch.dtype, shape: tuple, r: int, c: int,
+               device) -> Cast:
     """`given`'s tensors (checked), new ones where it has None or is None."""
     s = {"tensor": (), "rows": (r,), "cols": (c,)}[kind]
-    want = ((shape, E4M3), (s, torch.float32), (s, torch.float32))
+    want = ((shape, dtype), (s, torch.float32), (s, torch.float32))
     got = given or Cast(None, None, None)
     fields = []
     for field, g, (shp, dtype) in zip(Cast._fields, got, want):
         if g is None:
             g = torch.empty(shp, dtype=dtype, device=device)
         elif g.shape != shp or g.dtype != dtype or not g.is_contiguous() or g.device != device:
-            raise ValueError(f"weight_casts: out {name}.{field} must be a contiguous {dtype} {tuple(shp)} on {device}, "
+            raise ValueError(f"paired_casts: out {name}.{field} must be a contiguous {dtype} {tuple(shp)} on {device}, "
                              f"got a{'' if g.is_contiguous() else ' strided'} {g.dtype} {tuple(g.shape)} on {g.device}")
         fields.append(g)
     return Cast(*fields)
 
 
-def weight_casts(w: Tensor, own: str, trans: str,
-                 out: tuple[Optional[Cast], Optional[Cast]] = (None, None)) -> tuple[Cast, Cast]:
-    """w [R, C] (row-major, fp32 or bf16) in e4m3 twice: scaled per `own` in its own layout [R, C],
-    and per `trans` transposed [C, R]; each kind "tensor", "rows" or "cols" (of w). `out`: tensors
-    to write into (contiguous, shaped as returned; None: new ones), for the own and the transposed cast."""
+def paired_casts(w: Tensor, own: str, trans: str, out: tuple[Optional[Cast], Optional[Cast]] = (None, None),
+                 dtypes: tuple[torch.dtype, torch.dtype] = (E4M3, E4M3)) -> tuple[Cast, Cast]:
+    """w [R, C] (row-major, fp32 or bf16) in float8 twice: scaled per `own` in its own layout [R, C],
+    and per `trans` transposed [C, R]; each kind "tensor", "rows" or "cols" (of w), in its format of
+    `dtypes` (e5m2 for a "tensor" kind only: the rows' and columns' power-of-2 scales are e4m3's).
+    `out`: tensors to write into (contiguous, shaped as returned; None: new ones), for the own and
+    the transposed cast."""
     if own not in KINDS or trans not in KINDS:
-        raise ValueError(f"weight_casts: scale kinds are {', '.join(KINDS)}; got own={own!r}, trans={trans!r}")
+        raise ValueError(f"paired_casts: scale kinds are {', '.join(KINDS)}; got own={own!r}, trans={trans!r}")
+    if any(d not in (E4M3, E5M2) or (d == E5M2 and k != "tensor") for d, k in zip(dtypes, (own, trans))):
+        raise ValueError(f"paired_casts: formats are float8_e4m3fn, or float8_e5m2 for a tensor's scale; got "
+                         f"{dtypes[0]} for {own!r}, {dtypes[1]} for {trans!r}")
     if w.dim() != 2 or not w.is_contiguous():
-        raise ValueError(f"weight_casts needs a contiguous 2-D weight, got shape {tuple(w.shape)}, strides {w.stride()}")
+        raise ValueError(f"paired_casts needs a contiguous 2-D matrix, got shape {tuple(w.shape)}, strides {w.stride()}")
     r, c = w.shape
-    out = (_cast_into("own", out[0], own, (r, c), r, c, w.device),
-           _cast_into("trans", out[1], trans, (c, r), r, c, w.device))
+    out = (_cast_into("own", out[0], own, dtypes[0], (r, c), r, c, w.device),
+           _cast_into("trans", out[1], trans, dtypes[1], (c, r), r, c, w.device))
     if not w.numel():
         return out
     kinds = {own, trans}
@@ -164,22 +177,24 @@ def weight_casts(w: Tensor, own: str, trans: str,
     o, t = out
     _cast_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
         w, rows, cols, tensor, o.values.view(torch.uint8), o.scale, o.inv, t.values.view(torch.uint8), t.scale, t.inv,
-        r, c, OWN=KINDS[own], TRANS=KINDS[trans], BR=br, BC=bc, num_warps=4)
+        r, c, OWN=KINDS[own], TRANS=KINDS[trans], OWN_E5M2=dtypes[0] == E5M2, TRANS_E5M2=dtypes[1] == E5M2,
+        BR=br, BC=bc, num_warps=4)
     return out
 
 
-def _reference_cast(w: Tensor, kind: str) -> tuple[Tensor, Tensor, Tensor]:
+def _reference_cast(w: Tensor, kind: str, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """(w scaled per `kind` and cast, scale, inv), in PyTorch: fp8_gemm's tensorwise scale or
     cast.pow2_scale of the rows' or columns' amaxes, then cast.scaled_cast_reference."""
     if kind == "tensor":
-        scale, inv = amax_to_scale_reference(w.float().abs().amax(), 448.0, pow2=False)
-        return scaled_cast_reference(w, scale, E4M3), scale, inv
+        scale, inv = amax_to_scale_reference(w.float().abs().amax(), torch.finfo(dtype).max, pow2=False)
+        return scaled_cast_reference(w, scale, dtype), scale, inv
     s = pow2_scale(w.float().abs().amax(1 if kind == "rows" else 0))
-    return scaled_cast_reference(w, s[:, None] if kind == "rows" else s[None, :], E4M3), s, s.reciprocal()
+    return scaled_cast_reference(w, s[:, None] if kind == "rows" else s[None, :], dtype), s, s.reciprocal()
 
 
-def weight_casts_reference(w: Tensor, own: str, trans: str) -> tuple[Cast, Cast]:
-    """weight_casts in PyTorch."""
-    q, s, inv = _reference_cast(w, own)
-    qt, st, invt = _reference_cast(w, trans)
+def paired_casts_reference(w: Tensor, own: str, trans: str,
+                           dtypes: tuple[torch.dtype, torch.dtype] = (E4M3, E4M3)) -> tuple[Cast, Cast]:
+    """paired_casts in PyTorch."""
+    q, s, inv = _reference_cast(w, own, dtypes[0])
+    qt, st, invt = _reference_cast(w, trans, dtypes[1])
     return Cast(q, s, inv), Cast(qt.t().contiguous(), st, invt)

@@ -1,0 +1,223 @@
+"""A matrix's two float8 conversions in two passes (srelu24_kernels/float8/paired.py): bit for bit its
+PyTorch reference and the one-by-one conversions the op made before (fp8_gemm's operands,
+fp8_sparse.kmajor_e4m3), special values included: the weights' (e4m3), written into given tensors
+where asked (a CUDA graph's kept buffers), and dY's (e5m2 and e4m3); a wrong buffer or format is
+refused. CPU: TRITON_INTERPRET."""
+import pytest
+import torch
+
+from srelu24_kernels.float8 import gemm as fp8_gemm
+from srelu24_kernels.float8 import sparse as fp8_sparse
+from srelu24_kernels.float8.paired import E4M3, E5M2, KINDS, Cast, paired_casts, paired_casts_reference
+from srelu24_kernels.srelu24.op import convert_weights
+from srelu24_kernels.srelu24.options import OpOptions, SReLU24Recipe, WeightOperands
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def weight(r: int, c: int, seed: int, special: bool = False) -> torch.Tensor:
+    """An fp32 [r, c] with rows and columns of very different magnitudes; `special`: a NaN, an inf,
+    an all-zero row, a tiny row and amaxes at the power-of-2 scales' edges."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(r, c, generator=g) * torch.logspace(-2, 2, r)[:, None] * torch.logspace(-1, 1, c)[None, :]
+    if special:
+        w[1, 3] = float("nan")
+        w[2, 5] = -float("inf")
+        w[4] = 0.0
+        w[5] *= 1e-20
+        w[6, 0], w[7, 1], w[8, 2] = 448.0, 1.75, 1.7500001
+    return w
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.cpu()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)  # NaNs compared too
+
+
+def _equal(got, want) -> bool:
+    return got.shape == want.shape and torch.equal(_bytes(got), _bytes(want))
+
+
+@pytest.mark.parametrize("r, c", [(64, 128), (96, 200), (300, 70), (1, 1)])
+@pytest.mark.parametrize("own, trans", [("tensor", "cols"), ("rows", "tensor"), ("rows", "cols"), ("cols", "rows")])
+def test_paired_casts_match_the_reference_bit_for_bit(r, c, own, trans):
+    w = weight(r, c, r * c)
+    got = paired_casts(w.to(DEV), own, trans)
+    want = paired_casts_reference(w, own, trans)
+    for g, x in zip(got, want):
+        assert all(_equal(a, b) for a, b in zip(g, x)), (own, trans)
+    assert got[0].values.shape == (r, c) and got[1].values.shape == (c, r)
+
+
+def test_a_bf16_weight_casts_as_the_reference():
+    w = weight(64, 96, 9).bfloat16()
+    for g, x in zip(paired_casts(w.to(DEV), "rows", "tensor"), paired_casts_reference(w, "rows", "tensor")):
+        assert all(_equal(a, b) for a, b in zip(g, x))
+
+
+@pytest.mark.parametrize("own, trans", [("tensor", "cols"), ("rows", "tensor")])
+def test_nan_and_inf_reach_the_casts_as_the_reference_has_them(own, trans):
+    w = weight(72, 136, 5, special=True)
+    got = paired_casts(w.to(DEV), own, trans)
+    want = paired_casts_reference(w, own, trans)
+    for g, x in zip(got, want):
+        assert all(_equal(a, b) for a, b in zip(g, x))
+    assert got[0].values.cpu().float().isnan().any()  # the NaN is not lost to a max reduction
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_convert_weights_makes_the_bytes_of_the_one_by_one_conversions(special):
+    """The op's tensorwise conversions of W1 [F, d] and W2 [d, F], against the functions it called
+    before: the same values, scales and layouts (views of the same shapes and strides)."""
+    w1, w2 = weight(192, 64, 1, special).to(DEV), weight(64, 192, 2, special).to(DEV)
+    got = convert_weights(w1, w2, OpOptions(SReLU24Recipe(), "tensorwise", True))
+    want = WeightOperands(for_z=fp8_gemm.b_operand(w1.t(), "tensorwise"), for_y=fp8_sparse.kmajor_e4m3(w2.t()),
+                          for_da=fp8_gemm.b_operand(w2, "tensorwise"), for_dx=fp8_sparse.kmajor_e4m3(w1))
+    for name, g, x in zip(WeightOperands._fields, got, want):
+        for a, b in zip(g, x):
+            assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype, name
+            assert _equal(a, b), name
+
+
+def test_convert_weights_writes_into_the_given_tensors():
+    opts = OpOptions(SReLU24Recipe(), "tensorwise", True)
+    w1, w2 = weight(128, 64, 3).to(DEV), weight(64, 128, 4).to(DEV)
+    kept = convert_weights(w1, w2, opts)
+    ptrs = [t.data_ptr() for t in kept.flat()]
+    w1.mul_(3.0), w2.mul_(-0.5)  # the optimizer's update
+    again = convert_weights(w1, w2, opts, out=kept)
+    assert [t.data_ptr() for t in again.flat()] == ptrs
+    fresh = convert_weights(w1, w2, opts)
+    assert all(_equal(a, b) for a, b in zip(kept.flat(), fresh.flat()))
+    assert not _equal(kept.for_z[1], convert_weights(w1 / 3.0, w2, opts).for_z[1])  # the scales did change
+
+
+def test_rowwise_conversions_are_copied_into_the_given_tensors():
+    opts = OpOptions(SReLU24Recipe(), "rowwise", True)
+    w1, w2 = weight(128, 64, 6).to(DEV), weight(64, 128, 7).to(DEV)
+    kept = convert_weights(w1, w2, opts)
+    ptrs = [t.data_ptr() for t in kept.flat()]
+    w1.mul_(0.25)
+    convert_weights(w1, w2, opts, out=kept)
+    assert [t.data_ptr() for t in kept.flat()] == ptrs
+    assert all(_equal(a, b) for a, b in zip(kept.flat(), convert_weights(w1, w2, opts).flat()))
+
+
+def test_a_wrong_buffer_or_kind_is_refused():
+    w = weight(64, 128, 8).to(DEV)
+    bad = torch.empty(64, 128, dtype=torch.float8_e4m3fn, device=DEV)  # the transposed cast is [128, 64]
+    with pytest.raises(ValueError, match=r"out trans.values must be a contiguous torch.float8_e4m3fn \(128, 64\)"):
+        paired_casts(w, "tensor", "cols", (None, Cast(bad, None, None)))
+    with pytest.raises(ValueError, match="scale kinds are tensor, rows, cols"):
+        paired_casts(w, "tensor", "columns")
+    with pytest.raises(ValueError, match="contiguous 2-D matrix"):
+        paired_casts(w.t(), "tensor", "cols")
+    with pytest.raises(ValueError, match="float8_e5m2 for a tensor's scale"):
+        paired_casts(w, "tensor", "cols", dtypes=(E5M2, E5M2))
+    assert set(KINDS) == {"tensor", "rows", "cols"}
+
+
+def gradient(t: int, d: int, seed: int, special: bool = False) -> torch.Tensor:
+    """A bf16 dY [t, d]: tokens and features of very different magnitudes; `special`: values past
+    e5m2's range after scaling, an all-zero token, a NaN and an inf."""
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(t, d, generator=g) * torch.logspace(-6, 1, t)[:, None] * torch.logspace(-1, 1, d)[None, :]
+    if special:
+        dy[3] = 0.0
+        dy[5, 7], dy[9, 2] = float("nan"), -float("inf")
+    return dy.bfloat16()
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_gradient_casts_are_the_bytes_of_the_one_by_one_conversions(special):
+    """dY's pair (e5m2 scaled as a whole, e4m3 per column transposed) against what dA = dY W2 and
+    dW2 converted for themselves: fp8_gemm.a_operand (tensorwise, gradient) and fp8_sparse.kmajor_e4m3."""
+    dy = gradient(192, 64, 4, special).to(DEV)
+    own, trans = paired_casts(dy, "tensor", "cols", dtypes=(E5M2, E4M3))
+    a8, ia = fp8_gemm.a_operand(dy, "tensorwise", grad=True)
+    b8, sb = fp8_sparse.kmajor_e4m3(dy)
+    assert own.values.dtype == E5M2 and _equal(own.values, a8)
+    # a NaN in dY makes the tensor's scale NaN on both paths, with different payload bits on the CPU
+    assert torch.equal(own.inv.cpu(), ia.cpu()) or (own.inv.isnan() & ia.isnan()).item()
+    assert _equal(trans.values.t(), b8) and trans.values.t().stride() == b8.stride() and _equal(trans.scale, sb)
+    ref = paired_casts_reference(dy, "tensor", "cols", (E5M2, E4M3))
+    assert _equal(own.values, ref[0].values) and all(_equal(a, b) for a, b in zip(trans, ref[1]))
+    assert special == own.scale.isnan().item() == ref[0].scale.isnan().item()
+
+
+def test_the_op_pairs_dy_where_both_gemms_take_the_pair(monkeypatch):
+    """srelu24's backward (op._gradient_casts): under tensorwise with e4m3 2:4 GEMMs, tokens in their
+    own order and multiples of 64, dY's two conversions come from one pair, shaped as the GEMMs take
+    them (checked here against the one-by-one ones, the GPU's availability granted); else None."""
+    import srelu24_kernels.srelu24.op as K
+    monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
+    dy = gradient(128, 64, 5).to(DEV)
+    tensorwise = OpOptions(SReLU24Recipe(token_permutation=False), "tensorwise", True)
+    (a8, ia), (b8, sb) = K._gradient_casts(dy, 256, tensorwise, None)
+    want_a, want_b = fp8_gemm.a_operand(dy, "tensorwise", grad=True), fp8_sparse.kmajor_e4m3(dy)
+    assert _equal(a8, want_a[0]) and _equal(ia, want_a[1])
+    assert _equal(b8, want_b[0]) and b8.stride() == want_b[0].stride() and _equal(sb, want_b[1])
+    assert K._gradient_casts(dy, 256, OpOptions(SReLU24Recipe(), "rowwise", True), None) is None
+    assert K._gradient_casts(dy, 256, OpOptions(SReLU24Recipe(), "tensorwise", False), None) is None  # bf16 2:4
+    assert K._gradient_casts(dy, 256, tensorwise, torch.randperm(128)) is None   # the op's own token order
+    assert K._gradient_casts(dy[:96], 256, tensorwise, None) is None             # tokens not a multiple of 64
+    monkeypatch.setattr(fp8_sparse, "available", lambda device: False)
+    assert K._gradient_casts(dy, 256, tensorwise, None) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d, f", [(2048, 8448), (512, 1536)])
+def test_convert_weights_at_the_models_shapes_on_the_gpu(d, f):
+    """The 1B FFN's weights (and a small one), fresh random values, then a NaN and an inf (which
+    the GPU's max, unlike the interpreter's, may drop): fused and one by one agree."""
+    torch.manual_seed(d + f)
+    w1, w2 = torch.randn(f, d, device="cuda") * 0.02, torch.randn(d, f, device="cuda") * 0.02
+    _agree(w1, w2)
+    w2[3, 11] = -float("inf")  # an inf alone: tensor scale 0, the inf's column and row NaN
+    _agree(w1, w2)
+    w1[7, 9], w2[5, 100] = float("nan"), -float("nan")  # a NaN with its sign bit set
+    _agree(w1, w2)
+    _agree(w1[:f - 40, : d - 24].contiguous(), w2[: d - 24, : f - 40].contiguous())  # tails off the tiles
+
+
+def _agree(w1: torch.Tensor, w2: torch.Tensor) -> None:
+    got = convert_weights(w1, w2, OpOptions(SReLU24Recipe(), "tensorwise", True))
+    want = WeightOperands(for_z=fp8_gemm.b_operand(w1.t(), "tensorwise"), for_y=fp8_sparse.kmajor_e4m3(w2.t()),
+                          for_da=fp8_gemm.b_operand(w2, "tensorwise"), for_dx=fp8_sparse.kmajor_e4m3(w1))
+    for name, g, x in zip(WeightOperands._fields, got, want):
+        assert all(a.stride() == b.stride() and _equal(a, b) for a, b in zip(g, x)), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_with_dy_paired_is_bit_for_bit_the_one_by_one(monkeypatch, weights_dtype):
+    """srelu24's tensorwise e4m3 backward at the 1B FFN's width, fresh random inputs: dX, dW1, dW2 the
+    same bits whether dY's conversions come from one pair or each GEMM's own (the kernels' sm90
+    code, which the interpreter does not run)."""
+    from helpers import kernel_ffn
+    import srelu24_kernels.srelu24.op as K
+    from srelu24_kernels.srelu24.reference import SReLU24Recipe as Recipe
+    if not fp8_sparse.available("cuda"):
+        pytest.skip("needs an sm90 GPU with cuSPARSELt's e4m3 kernels")
+    torch.manual_seed(17)
+    T, d, f = 1024, 2048, 8448
+    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(f, d, device="cuda") * d ** -0.5).to(weights_dtype).requires_grad_()
+    w2 = (torch.randn(d, f, device="cuda") * f ** -0.5).to(weights_dtype).requires_grad_()
+    dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+    pairs = []
+    real = K._gradient_casts
+    monkeypatch.setattr(K, "_gradient_casts", lambda *a: pairs.append(real(*a)) or pairs[-1])
+
+    def grads():
+        for t in (x, w1, w2):
+            t.grad = None
+        kernel_ffn(x, w1, w2, Recipe(token_permutation=False), float8="tensorwise").backward(dy)
+        return [t.grad.clone() for t in (x, w1, w2)]
+
+    paired = grads()
+    assert pairs[-1] is not None  # the pair was made
+    monkeypatch.setattr(K, "_gradient_casts", lambda *a: None)
+    for what, a, b in zip(("dX", "dW1", "dW2"), paired, grads()):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32)), what
