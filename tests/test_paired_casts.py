@@ -188,6 +188,37 @@ def _agree(w1: torch.Tensor, w2: torch.Tensor) -> None:
         assert all(a.stride() == b.stride() and _equal(a, b) for a, b in zip(g, x)), name
 
 
+def test_the_op_on_the_cpu_takes_dy_paired_bit_for_bit(monkeypatch):
+    """The op's tensorwise kernel path on the CPU (cuSPARSELt stood in for, the dense float8 GEMMs on
+    the CPU's _scaled_mm, the sm90 conversions granted): dA's A from the pair, the gradients bit for
+    bit those with each GEMM converting dY itself (dW2's 2:4 GEMM is the bf16 fallback here)."""
+    from helpers import cpu_scaled_mm_runs, kernel_ffn
+    from test_kernels import _cslt_stand_in
+    import srelu24_kernels.srelu24.op as K
+    if not cpu_scaled_mm_runs("tensorwise"):
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm does not run tensorwise")
+    _cslt_stand_in(monkeypatch)
+    monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(128, 64, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
+    w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
+    dy = torch.randn(128, 64, generator=g).bfloat16()
+    made, real = [], K._gradient_casts
+    monkeypatch.setattr(K, "_gradient_casts", lambda *a: made.append(real(*a)) or made[-1])
+
+    def grads():
+        for t in (x, w1, w2):
+            t.grad = None
+        kernel_ffn(x, w1, w2, SReLU24Recipe(token_permutation=False), float8="tensorwise").backward(dy)
+        return [t.grad.clone() for t in (x, w1, w2)]
+
+    paired = grads()
+    assert made and made[-1] is not None
+    monkeypatch.setattr(K, "_gradient_casts", lambda *a: None)
+    assert all(torch.equal(a, b) for a, b in zip(paired, grads()))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
 def test_the_backward_with_dy_paired_is_bit_for_bit_the_one_by_one(monkeypatch, weights_dtype):

@@ -318,10 +318,14 @@ def test_the_step_state_gives_autograds_steps_on_cuda(monkeypatch, float8, compi
     compiles it: 4 weight conversions per optimizer step with the state (W1 rows, W2 rows, W2
     columns, W1 columns), 4 per micro-batch without, gradients added into .grad, and two AdamW
     steps over three micro-batches bit for bit the same."""
+    from srelu24_kernels.float8 import paired as fp8_paired
     calls = []
-    real_dense, real_sparse = fp8_gemm.b_operand, fp8_sparse.kmajor_e4m3
+    real_dense, real_sparse, real_paired = fp8_gemm.b_operand, fp8_sparse.kmajor_e4m3, fp8_paired.paired_casts
     monkeypatch.setattr(fp8_gemm, "b_operand", lambda b, r: calls.append(b.dtype) or real_dense(b, r))
     monkeypatch.setattr(fp8_sparse, "kmajor_e4m3", lambda b: calls.append(b.dtype) or real_sparse(b))
+    # two conversions a call (tensorwise's kept weights, dY)
+    monkeypatch.setattr(fp8_paired, "paired_casts",
+                        lambda w, *a, **k: calls.extend([w.dtype] * 2) or real_paired(w, *a, **k))
     torch.manual_seed(5)
     T, d, F_ = 512, 256, 1024
     w1, w2 = torch.randn(F_, d, device="cuda") * d ** -0.5, torch.randn(d, F_, device="cuda") * F_ ** -0.5
