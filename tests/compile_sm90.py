@@ -9,7 +9,7 @@ Triton's active driver is replaced by one that names an sm90 target, and every l
 on CPU tensors of the 1B and 7B FFN's shapes (uninitialised: nothing is read), so each kernel is
 compiled with the arguments, constexprs and num_warps its launch site gives it. Where a wrapper
 chooses its path by `is_cuda`, the GPU branch's launcher is called instead. A line per
-compilation, `compiled <module>.<kernel> shared=<bytes>`, and from shard 0 a line per kernel the
+compilation, `compiled <module>.<kernel> shared=<bytes> <constexpr>=<value>,...`, and from shard 0 a line per kernel the
 package defines, `kernel <module>.<kernel>`, so that the test can tell one that nothing compiled.
 """
 import sys
@@ -96,8 +96,8 @@ def scales_and_rows():
             for pow2 in ((False, True) if dt == torch.bfloat16 else (False,)):
                 gemm.amax_to_scale_kernel(empty(1, dtype=dt), fmax, pow2)
         gemm.amax_to_scale_kernel(empty(256, 1, dtype=dt), 448.0, dt == torch.bfloat16)  # rowwise amaxes
-    for d, f, _ in SHAPES.values():
-        for k in (d, f):
+    for d, f, t in SHAPES.values():
+        for k in (d, f, t):  # t: dW's K, the tokens
             gemm.rowwise_e4m3(empty(64, k))
     gemm.rowwise_e4m3(empty(64, 1000))  # a row length that is not a power of 2's
 
@@ -171,7 +171,9 @@ def main(shard: int, shards: int) -> None:
         assert BITWISE_ROUNDING not in ptx or "float8" not in fn.fn.__module__, \
             f"{name} rounds to float8 on the bits (the interpreter's path), not with the GPU's conversion"
         assert kernel.metadata.shared <= MAX_SHARED, f"{name} needs {kernel.metadata.shared} bytes of shared memory"
-        print(f"compiled {name} shared={kernel.metadata.shared}", flush=True)
+        names = fn.arg_names  # the constexprs (and the arguments Triton specialised on) of this build
+        consts = ",".join(f"{names[k[0]]}={v}" for k, v in sorted(kernel.src.constants.items()) if len(k) == 1)
+        print(f"compiled {name} shared={kernel.metadata.shared} {consts or '-'}", flush=True)
 
     compile_launches(report)
     for case in CASES[shard::shards]:

@@ -41,12 +41,15 @@ def test_kernels_compile_for_sm90(launched):
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
     out = "".join(r.stdout for r in runs)
-    compiled = set(re.findall(r"^compiled (\S+) shared=\d+$", out, re.M))
+    builds = re.findall(r"^compiled (\S+) shared=\d+ (\S+)$", out, re.M)
+    compiled = {name for name, _ in builds}
     defined = set(re.findall(r"^kernel (\S+)$", out, re.M))
     assert len(defined) >= 14, out  # the package's kernels were found
     assert defined <= compiled, f"kernels that no case of tests/compile_sm90.py launches: {sorted(defined - compiled)}"
     # paired.py's casts, compiled as the tensorwise conversions launch them (weights, dY)
-    assert "srelu24_kernels.float8.paired._cast_kernel" in compiled
+    paired = [consts.split(",") for name, consts in builds if name == "srelu24_kernels.float8.paired._cast_kernel"]
+    assert any("OWN_E5M2=True" in c for c in paired), paired  # dY's pair: e5m2 for dA
+    assert any("OWN_E5M2=False" in c and "TRANS_E5M2=False" in c for c in paired), paired  # the weights'
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")

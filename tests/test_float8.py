@@ -375,9 +375,9 @@ def test_srelu24_op_runs_exactly_its_two_dense_gemms_in_float8(monkeypatch, reci
     _cslt_stand_in(monkeypatch)
     calls, real = [], fp8.mm
 
-    def recording(a, b, r, grad=False, b_float8=None):
+    def recording(a, b, r, grad=False, b_float8=None, a_float8=None):
         calls.append((tuple(a.shape), tuple(b.shape), r, grad))
-        return real(a, b, r, grad, b_float8)
+        return real(a, b, r, grad, b_float8, a_float8)
 
     monkeypatch.setattr(fp8, "mm", recording)
     g = torch.Generator().manual_seed(4)

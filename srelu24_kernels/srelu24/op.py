@@ -257,13 +257,14 @@ def ffn_backward(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, c
     T, F_ = x.shape[0], w1.shape[0]
     dy = dy.to(torch.bfloat16).contiguous()
     perm = random_token_order(T, x.device) if token_permutation else None
-    dy8 = _gradient_casts(dy, F_, o, perm)
-    da = _dense_mm(dy, w2, o.float8, grad=True, converted=kept and kept.for_da, a_converted=dy8 and dy8[0])  # [T, F]
+    dy_for_da, dy_for_dw2 = _gradient_casts(dy, F_, o, perm) or (None, None)
+    da = _dense_mm(dy, w2, o.float8, grad=True, converted=kept and kept.for_da, a_converted=dy_for_da)  # [T, F]
+    del dy_for_da  # freed before the sparse passes allocate theirs
     dense = densest_from_counts(counts, dense_feature_fraction)
     slots = dense_slots(dense, F_, x.device)[0] if dense is not None else None
     ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask)
     dx = _input_grad(ops, saved, da, w1, perm, T, o, kept)
-    dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy8 and dy8[1])
+    dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy_for_dw2)
     if grads is not None:
         return dx.contiguous(), dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
     return dx.contiguous(), dw1.contiguous(), dw2
