@@ -434,7 +434,7 @@ def test_the_ops_fakes_take_fp32_weights_and_give_fp32_weight_gradients():
     x = torch.empty(T, d, dtype=torch.bfloat16, device="meta")
     w1, w2 = torch.empty(F_, d, device="meta"), torch.empty(d, F_, device="meta")
     o = K.OpOptions(SReLU24Recipe(False, 0.05, True), "rowwise")
-    y, saved, counts, _ = K.ffn_forward(*forward_args(x, w1, w2, False, o))
+    y, saved, counts, *_ = K.ffn_forward(*forward_args(x, w1, w2, False, o))
     assert y.dtype == saved.dtype == torch.bfloat16 and y.shape == (T, d)
     dx, dw1, dw2 = K.ffn_backward(*backward_args(torch.empty_like(y), x, w1, w2, saved, counts, o))
     assert dx.dtype == torch.bfloat16 and dw1.dtype == dw2.dtype == torch.float32

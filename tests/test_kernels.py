@@ -172,7 +172,7 @@ def test_kernel_ops_pass_torch_library_opcheck(monkeypatch):
     o = K.OpOptions(SReLU24Recipe(False, 0.05, True))  # no token permutation here: opcheck replays the backward
     for stats in (False, True):
         torch.library.opcheck(K.ffn_forward, forward_args(x, w1, w2, stats, o))
-    y, z, counts, _ = K.ffn_forward(*forward_args(x.detach(), w1.detach(), w2.detach(), False, o))
+    y, z, counts, *_ = K.ffn_forward(*forward_args(x.detach(), w1.detach(), w2.detach(), False, o))
     torch.library.opcheck(K.ffn_backward, backward_args(torch.randn_like(y), x.detach(), w1.detach(), w2.detach(), z,
                                                         counts, o))
 
@@ -400,11 +400,11 @@ def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
     x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16) / 16
     w2 = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16) / 32
-    _, saved, _, _ = K.ffn_forward(*forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(True, 0.05, True))))
+    _, saved, *_ = K.ffn_forward(*forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(True, 0.05, True))))
     want = srelu_sparsify_2to4(x @ w1.t())[0]
     assert saved.shape == (padded_rows(1000), 1024 * 9 // 16) and torch.equal(saved.view(torch.int16),
                                                                              want.view(torch.int16))
-    _, saved, _, _ = K.ffn_forward(*forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(True, 0.05, False))))  # the ablation's backward reads Z
+    _, saved, *_ = K.ffn_forward(*forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(True, 0.05, False))))  # the ablation's backward reads Z
     assert saved.shape == (1000, 1024)
 
 

@@ -145,25 +145,33 @@ def test_gradient_casts_are_the_bytes_of_the_one_by_one_conversions(special):
     assert special == own.scale.isnan().item() == ref[0].scale.isnan().item()
 
 
-def test_the_op_pairs_dy_where_both_gemms_take_the_pair(monkeypatch):
-    """srelu24's backward (op._gradient_casts): under tensorwise with e4m3 2:4 GEMMs, tokens in their
-    own order and multiples of 64, dY's two conversions come from one pair, shaped as the GEMMs take
-    them (checked here against the one-by-one ones, the GPU's availability granted); else None."""
+def test_the_op_pairs_x_and_dy_where_both_gemms_take_the_pair(monkeypatch):
+    """srelu24's op (op._input_casts, op._gradient_casts): under tensorwise with e4m3 2:4 GEMMs, tokens
+    in their own order and multiples of 64, X's and dY's two conversions come from one pair each,
+    shaped as their GEMMs take them (checked against the one-by-one ones, the GPU's availability
+    granted); else (None, None)."""
     import srelu24_kernels.srelu24.op as K
     monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
     dy = gradient(128, 64, 5).to(DEV)
+    x = gradient(128, 64, 6).to(DEV)
     tensorwise = OpOptions(SReLU24Recipe(token_permutation=False), "tensorwise", True)
-    (a8, ia), (b8, sb) = K._gradient_casts(dy, 256, tensorwise, None)
+    (a8, ia), (b8, sb) = K._gradient_casts(dy, 256, tensorwise)
     want_a, want_b = fp8_gemm.a_operand(dy, "tensorwise", grad=True), fp8_sparse.kmajor_e4m3(dy)
     assert _equal(a8, want_a[0]) and _equal(ia, want_a[1])
     assert _equal(b8, want_b[0]) and b8.stride() == want_b[0].stride() and _equal(sb, want_b[1])
-    assert K._gradient_casts(dy, 256, OpOptions(SReLU24Recipe(), "rowwise", True), None) is None
-    assert K._gradient_casts(dy, 256, OpOptions(SReLU24Recipe(), "tensorwise", False), None) is None  # bf16 2:4
-    assert K._gradient_casts(dy, 256, tensorwise, torch.randperm(128)) is None   # the op's own token order
-    assert K._gradient_casts(dy[:96], 256, tensorwise, None) is None             # tokens not a multiple of 64
-    assert K._gradient_casts(dy, 200, tensorwise, None) is None                  # features not a multiple of 64
+    (a8, ia), (cols, sc) = K._input_casts(x, 256, tensorwise)
+    want_a, want_b = fp8_gemm.a_operand(x, "tensorwise", grad=False), fp8_sparse.kmajor_e4m3(x)
+    assert a8.dtype == E4M3 and _equal(a8, want_a[0]) and _equal(ia, want_a[1])
+    assert _equal(cols.t(), want_b[0]) and cols.is_contiguous() and _equal(sc, want_b[1])  # [d, T]: kept as is
+    for o, t, f in [(OpOptions(SReLU24Recipe(), "rowwise", True), 128, 256),
+                    (OpOptions(SReLU24Recipe(), "tensorwise", False), 128, 256),   # bf16 2:4 GEMMs
+                    (OpOptions(SReLU24Recipe(token_permutation=True), "tensorwise", True), 128, 256),  # the op's order
+                    (tensorwise, 96, 256),                                          # tokens not a multiple of 64
+                    (tensorwise, 128, 200)]:                                        # features not a multiple of 64
+        assert not K._pairs_token_casts(t, f, o, x.device)
+        assert K._gradient_casts(dy[:t], f, o) == (None, None) == K._input_casts(x[:t], f, o)
     monkeypatch.setattr(fp8_sparse, "available", lambda device: False)
-    assert K._gradient_casts(dy, 256, tensorwise, None) is None
+    assert K._gradient_casts(dy, 256, tensorwise) == (None, None) == K._input_casts(x, 256, tensorwise)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -189,48 +197,87 @@ def _agree(w1: torch.Tensor, w2: torch.Tensor) -> None:
         assert all(a.stride() == b.stride() and _equal(a, b) for a, b in zip(g, x)), name
 
 
+
+def _op_runs(monkeypatch, x, w1, w2, dy, weights_dtype=None) -> dict:
+    """The tensorwise op's Y, dX, dW1, dW2 with the pairs (op._pairs_token_casts as it decides) and
+    without (each GEMM converting X and dY itself), and what its forward saved for the backward."""
+    from helpers import kernel_ffn
+    import srelu24_kernels.srelu24.op as K
+    real = K._pairs_token_casts
+    runs = {}
+    for paired in (True, False):
+        monkeypatch.setattr(K, "_pairs_token_casts", real if paired else lambda *a: False)
+        for t in (x, w1, w2):
+            t.grad = None
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = kernel_ffn(x, w1, w2, SReLU24Recipe(token_permutation=False), float8="tensorwise")
+        y.backward(dy)
+        runs[paired] = ([y.detach().clone()] + [t.grad.clone() for t in (x, w1, w2)], saved)
+    return runs
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32),
+                                              b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32))
+
+
+def _check_paired_runs(runs: dict, x: torch.Tensor) -> None:
+    (paired, saved_paired), (alone, saved_alone) = runs[True], runs[False]
+    for what, a, b in zip(("Y", "dX", "dW1", "dW2"), paired, alone):
+        assert _bitwise(a, b), what
+    T, d = x.shape
+    # the pair's forward keeps X's dW1 cast [d, T] in e4m3 (and its scales) in place of X
+    assert any(t.dtype == E4M3 and t.shape == (d, T) for t in saved_paired)
+    is_x = lambda t: t.dtype == x.dtype and t.shape == x.shape and t.data_ptr() == x.data_ptr()  # noqa: E731 (a view)
+    assert not any(map(is_x, saved_paired)) and any(map(is_x, saved_alone))
+
+
+def _e4m3_sparse_stand_in(monkeypatch):
+    """fp8_sparse's e4m3 2:4 GEMMs on the CPU: their fp32 references, a given conversion of B
+    dequantized for them (the reference converts it again: with power-of-2 scales the same values)."""
+    def b_of(b, b_e4m3):
+        return b if b_e4m3 is None else b_e4m3[0].float() / b_e4m3[1][None, :]
+
+    def sparse_and_dense_mm(buf, dense_rows, b, transpose_result=False, out_dtype=torch.bfloat16, slots=None,
+                            accumulate_into=None, b_e4m3=None):
+        return fp8_sparse.sparse_and_dense_mm_reference(buf, dense_rows, b_of(b, b_e4m3), transpose_result, out_dtype,
+                                                        slots, accumulate_into)
+
+    monkeypatch.setattr(fp8_sparse, "usable", lambda buf, b: True)
+    monkeypatch.setattr(fp8_sparse, "sparse_mm", lambda buf, b, transpose_result=False, b_e4m3=None:
+                        fp8_sparse.sparse_mm_reference(buf, b_of(b, b_e4m3), transpose_result))
+    monkeypatch.setattr(fp8_sparse, "sparse_and_dense_mm", sparse_and_dense_mm)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: on a GPU machine the granted sm90 kernels would "
                     "launch on CPU tensors (the GPU test below covers the op there)")
-def test_the_op_on_the_cpu_takes_dy_paired_bit_for_bit(monkeypatch):
+def test_the_op_on_the_cpu_takes_the_pairs_bit_for_bit(monkeypatch):
     """The op's tensorwise kernel path on the CPU (cuSPARSELt stood in for, the dense float8 GEMMs on
-    the CPU's _scaled_mm, the sm90 conversions granted): dA's A from the pair, the gradients bit for
-    bit those with each GEMM converting dY itself (dW2's 2:4 GEMM is the bf16 fallback here)."""
-    from helpers import cpu_scaled_mm_runs, kernel_ffn
+    the CPU's _scaled_mm, the e4m3 2:4 GEMMs by their fp32 references, the sm90 conversions granted):
+    Y, dX, dW1, dW2 bit for bit with and without X's and dY's pairs, and the forward keeps X's cast,
+    not X."""
+    from helpers import cpu_scaled_mm_runs
     from test_kernels import _cslt_stand_in
-    import srelu24_kernels.srelu24.op as K
     if not cpu_scaled_mm_runs("tensorwise"):
         pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm does not run tensorwise")
     _cslt_stand_in(monkeypatch)
+    _e4m3_sparse_stand_in(monkeypatch)
     monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(128, 64, generator=g).bfloat16().requires_grad_()
     w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
     w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
     dy = torch.randn(128, 64, generator=g).bfloat16()
-    made, real = [], K._gradient_casts
-    monkeypatch.setattr(K, "_gradient_casts", lambda *a: made.append(real(*a)) or made[-1])
-
-    def grads():
-        for t in (x, w1, w2):
-            t.grad = None
-        kernel_ffn(x, w1, w2, SReLU24Recipe(token_permutation=False), float8="tensorwise").backward(dy)
-        return [t.grad.clone() for t in (x, w1, w2)]
-
-    paired = grads()
-    assert made and made[-1] is not None
-    monkeypatch.setattr(K, "_gradient_casts", lambda *a: None)
-    assert all(torch.equal(a, b) for a, b in zip(paired, grads()))
+    _check_paired_runs(_op_runs(monkeypatch, x, w1, w2, dy), x)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
-def test_the_backward_with_dy_paired_is_bit_for_bit_the_one_by_one(monkeypatch, weights_dtype):
-    """srelu24's tensorwise e4m3 backward at the 1B FFN's width, fresh random inputs: dX, dW1, dW2 the
-    same bits whether dY's conversions come from one pair or each GEMM's own (the kernels' sm90
-    code, which the interpreter does not run)."""
-    from helpers import kernel_ffn
-    import srelu24_kernels.srelu24.op as K
-    from srelu24_kernels.srelu24.reference import SReLU24Recipe as Recipe
+def test_the_op_with_x_and_dy_paired_is_bit_for_bit_the_one_by_one(monkeypatch, weights_dtype):
+    """srelu24's tensorwise e4m3 op at the 1B FFN's width, fresh random inputs: Y, dX, dW1, dW2 the
+    same bits whether X's and dY's conversions come from one pair each or each GEMM's own (the
+    kernels' sm90 code, which the interpreter does not run); the forward keeps X's cast, not X."""
     if not fp8_sparse.available("cuda"):
         pytest.skip("needs an sm90 GPU with cuSPARSELt's e4m3 kernels")
     torch.manual_seed(17)
@@ -239,19 +286,4 @@ def test_the_backward_with_dy_paired_is_bit_for_bit_the_one_by_one(monkeypatch, 
     w1 = (torch.randn(f, d, device="cuda") * d ** -0.5).to(weights_dtype).requires_grad_()
     w2 = (torch.randn(d, f, device="cuda") * f ** -0.5).to(weights_dtype).requires_grad_()
     dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
-    pairs = []
-    real = K._gradient_casts
-    monkeypatch.setattr(K, "_gradient_casts", lambda *a: pairs.append(real(*a)) or pairs[-1])
-
-    def grads():
-        for t in (x, w1, w2):
-            t.grad = None
-        kernel_ffn(x, w1, w2, Recipe(token_permutation=False), float8="tensorwise").backward(dy)
-        return [t.grad.clone() for t in (x, w1, w2)]
-
-    paired = grads()
-    assert pairs[-1] is not None  # the pair was made
-    monkeypatch.setattr(K, "_gradient_casts", lambda *a: None)
-    for what, a, b in zip(("dX", "dW1", "dW2"), paired, grads()):
-        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
-                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32)), what
+    _check_paired_runs(_op_runs(monkeypatch, x, w1, w2, dy), x)

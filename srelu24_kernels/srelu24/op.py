@@ -27,8 +27,10 @@ The backward's modes, and who sets them:
     e4m3                          OpOptions (float8 set, sparse_float8 on)  the 2:4 GEMMs' precision
     dense features                the forward's counts                      exact rows of dW1, columns of dW2
     kept weight conversions       StepState (training/step.py)              the weights' e4m3 conversions reused
-    dY's conversions paired       tensorwise, e4m3, tokens in their order   dA's A and dW2's B from one pair of
-                                  (_gradient_casts)                         passes over dY (float8/paired.py)
+    X's, dY's conversions paired  tensorwise, e4m3, tokens in their order   Z's A and dW1's B from one pair of
+                                  (_pairs_token_casts)                      passes over X in the forward, which
+                                                                            keeps the second instead of X; dA's A
+                                                                            and dW2's B likewise from dY
     gradients added into .grad    StepState (training/step.py)              dW1, dW2 added into the given buffers
 
 Weights: bf16, or in e4m3 mode fp32 as the model keeps them (every use of a weight there is an e4m3
@@ -128,8 +130,8 @@ def _weight_grad_mm(a: Tensor, dense_rows: Optional[Tensor], b: Tensor, e4m3: bo
     or None): in e4m3 where the 2:4 GEMMs are (one conversion of b for both, `converted` where the
     caller made it; the product written in out_dtype by the unscaling pass, which also writes the
     dense rows as dW2's columns where given `slots`, None coming back for them, and adds into `into`
-    where given, returning it), else bf16."""
-    if e4m3 and fp8_sparse.usable(a, b):
+    where given, returning it), else bf16. Where `converted` is given b may be None (X's kept cast)."""
+    if converted is not None or (e4m3 and fp8_sparse.usable(a, b)):  # b is not read where converted
         return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots, into,
                                               b_e4m3=converted)
     return sparse_mm(a, b, transpose_result).to(out_dtype), None if dense_rows is None else dense_rows @ b
@@ -141,10 +143,11 @@ def _weight_grad_mm(a: Tensor, dense_rows: Optional[Tensor], b: Tensor, e4m3: bo
 def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w1: Optional[Tensor],
                 grad_w2: Optional[Tensor], collect_stats: bool, keep_a24: bool, token_permutation: bool,
                 dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
-                sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d]; A24 [padded(T, 64), 9F/16] if keep_a24 else Z [T, F], for the backward;
     kept non-zeros per feature [F] int32; the statistics row [N_SUMS] float64, empty unless
-    collect_stats). weights: WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the
+    collect_stats; X's e4m3 cast for dW1 [d, T] and its column scales [d] where _pairs_token_casts
+    (the backward keeps these instead of X), else empty). weights: WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the
     buffers it adds into), taken here so that autograd hands them to it. keep_a24: `keeps_a24`,
     asked by the caller: an argument is part of a compiled graph and so of Inductor's on-disk
     cache key, which cannot see whether the CUDA kernels are built (a graph compiled with them,
@@ -157,14 +160,18 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
     o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
     kept = WeightOperands.from_flat(weights)
     T = x.shape[0]
-    z = _dense_mm(x, w1.t(), o.float8, grad=False, converted=kept and kept.for_z)
+    for_z, for_dw1 = _input_casts(x, w1.shape[0], o)
+    z = _dense_mm(x, w1.t(), o.float8, grad=False, converted=kept and kept.for_z, a_converted=for_z)
+    del for_z
     # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
     totals = torch.zeros(3, dtype=torch.float64, device=z.device) if collect_stats else None
     buf, counts = srelu_sparsify_2to4(z, totals=totals)
     y = _sparse_mm(buf, w2.t(), o.e4m3, converted=kept and kept.for_y)[:T]
     row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))  # no launch on the hot path
-    return y, buf if keep_a24 else z, counts, row
+    x_cols, x_scale = for_dw1 if for_dw1 is not None else (x.new_empty(0, dtype=fp8_paired.E4M3),
+                                                           x.new_empty(0, dtype=torch.float32))
+    return y, buf if keep_a24 else z, counts, row, x_cols, x_scale
 
 
 @ffn_forward.register_fake
@@ -173,8 +180,12 @@ def _(x, w1, w2, weights, grad_w1, grad_w2, collect_stats, keep_a24, token_permu
     _check_dtypes("ffn_forward", w1, w2, x=x)
     T, F_ = x.shape[0], w1.shape[0]
     saved = x.new_empty(padded(T, ROWS_PER_BAND), F_ * 9 // 16) if keep_a24 else x.new_empty(T, F_)
+    d, paired = x.shape[1], _pairs_token_casts(T, F_, OpOptions.from_flags(token_permutation, dense_feature_fraction,
+                                                                            reuse_forward_mask, float8, sparse_float8),
+                                               x.device)
     return (x.new_empty(T, w2.shape[0]), saved, x.new_empty(F_, dtype=torch.int32),
-            x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64))
+            x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64),
+            x.new_empty((d, T) if paired else 0, dtype=fp8_paired.E4M3), x.new_empty(d if paired else 0, dtype=torch.float32))
 
 
 # ------------------------------------------------------------------ backward
@@ -205,20 +216,22 @@ def _input_grad(ops: _SparseOperands, saved: Tensor, da: Tensor, w1: Tensor, per
     return dx
 
 
-def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Tensor, perm, dense, slots, w1: Tensor, w2: Tensor,
-                  o: OpOptions, grads: Optional[tuple[Tensor, Tensor]], dy_e4m3=None) -> tuple[Tensor, Tensor]:
+def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Optional[Tensor], perm, dense, slots, w1: Tensor, w2: Tensor,
+                  o: OpOptions, grads: Optional[tuple[Tensor, Tensor]], dy_e4m3=None, x_e4m3=None) -> tuple[Tensor, Tensor]:
     """(dW1 [F, d], dW2 [d, F]) in the weights' dtypes; with `grads`, added into them instead (and
-    those returned). dy_e4m3: dW2's B, where _gradient_casts made it."""
+    those returned). dy_e4m3, x_e4m3: dW2's and dW1's B, where _gradient_casts and _input_casts made
+    them (x is None then)."""
     g1, g2 = grads if grads is not None else (None, None)
     dy_p = pad_rows(dy[perm] if perm is not None else dy, COLS_PER_CHUNK)
-    x_p = pad_rows(x[perm] if perm is not None else x, COLS_PER_CHUNK)
+    x_p = None if x_e4m3 is not None else pad_rows(x[perm] if perm is not None else x, COLS_PER_CHUNK)
     (s_a, a_dense), (s_dz, dz_dense) = ops.a_tokens, ops.dz_tokens
     has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
     dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, o.e4m3, w2.dtype,
                                      transpose_result=True, slots=slots, into=g2, converted=dy_e4m3)
     if dw2_dense is not None:  # dw2 is [d, F]; in e4m3 its dense columns are already written
         write_dense_columns(dw2, slots, dw2_dense)
-    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, o.e4m3, w1.dtype, into=g1)
+    dw1, dw1_dense = _weight_grad_mm(s_dz, dz_dense if has_dense else None, x_p, o.e4m3, w1.dtype, into=g1,
+                                     converted=x_e4m3)
     if has_dense:
         write_dense_rows(dw1, dense, dw1_dense, accumulate=dw1 is g1 and g1 is not None)
     for g, dw in ((g1, dw1), (g2, dw2)):
@@ -227,54 +240,77 @@ def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Tensor, perm, dense, slot
     return (g1, g2) if grads is not None else (dw1, dw2)
 
 
-def _gradient_casts(dy: Tensor, F_: int, o: OpOptions, perm) -> Optional[tuple[tuple, tuple]]:
-    """dY's two float8 conversions from two passes over it (fp8_paired.paired_casts, the bytes of the
-    one-by-one ones): (dA = dY W2's A: e5m2 scaled as a whole, as fp8_gemm.a_operand; dW2's B:
-    e4m3 per column, K-major, as fp8_sparse.kmajor_e4m3), where both GEMMs take those: the
-    tensorwise recipe, e4m3 2:4 GEMMs that fp8_sparse.usable will accept (an sm90 GPU, F and the
-    tokens multiples of 64) and the tokens in their own order (the block permuted them, or no
-    order is drawn). Else None: each GEMM converts dY itself."""
-    T = dy.shape[0]
-    if not (o.float8 == "tensorwise" and o.e4m3 and perm is None and T % 64 == 0 and F_ % 64 == 0
-            and fp8_sparse.available(dy.device)):
-        return None
+def _pairs_token_casts(T: int, F_: int, o: OpOptions, device) -> bool:
+    """Whether X's and dY's two float8 conversions each come from one pair of passes
+    (fp8_paired.paired_casts, the bytes of the one-by-one ones): where both GEMMs that read each take
+    those. The tensorwise recipe (X, dY scaled as a whole for Z and dA), e4m3 2:4 GEMMs that
+    fp8_sparse.usable will accept for dW1 and dW2 (an sm90 GPU, F and the tokens T multiples of 64),
+    and the tokens in their own order (the block permuted them, or no order is drawn: the op's
+    own order would take the backward's operands out of the forward's)."""
+    return (o.float8 == "tensorwise" and o.e4m3 and not o.recipe.token_permutation and T % 64 == 0 and F_ % 64 == 0
+            and fp8_sparse.available(device))
+
+
+def _input_casts(x: Tensor, F_: int, o: OpOptions) -> tuple[Optional[tuple], Optional[tuple]]:
+    """(Z = X W1^T's A: e4m3 scaled as a whole, as fp8_gemm.a_operand; dW1's B: e4m3 per column,
+    K-major, as fp8_sparse.kmajor_e4m3 — its values [d, T] and scales, which the forward returns
+    for the backward to keep), from one pair of passes over X where _pairs_token_casts; else
+    (None, None): each GEMM converts X itself."""
+    if not _pairs_token_casts(x.shape[0], F_, o, x.device):
+        return None, None
+    for_z, for_dw1 = fp8_paired.paired_casts(x.contiguous(), "tensor", "cols")
+    return (for_z.values, for_z.inv), (for_dw1.values, for_dw1.scale)
+
+
+def _gradient_casts(dy: Tensor, F_: int, o: OpOptions) -> tuple[Optional[tuple], Optional[tuple]]:
+    """(dA = dY W2's A: e5m2 scaled as a whole, as fp8_gemm.a_operand; dW2's B: e4m3 per column,
+    K-major, as fp8_sparse.kmajor_e4m3), from one pair of passes over dY where _pairs_token_casts;
+    else (None, None): each GEMM converts dY itself."""
+    if not _pairs_token_casts(dy.shape[0], F_, o, dy.device):
+        return None, None
     for_da, for_dw2 = fp8_paired.paired_casts(dy, "tensor", "cols", dtypes=(fp8_paired.E5M2, fp8_paired.E4M3))
     return (for_da.values, for_da.inv), (for_dw2.values.t(), for_dw2.scale)
 
 
 @torch.library.custom_op("srelu24::ffn_backward", mutates_args=("grad_w1", "grad_w2"))
-def ffn_backward(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor, saved_a24: bool,
-                 weights: list[Tensor], grad_w1: Optional[Tensor], grad_w2: Optional[Tensor],
-                 token_permutation: bool, dense_feature_fraction: float, reuse_forward_mask: bool,
-                 float8: str, sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor]:
+def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
+                 saved_a24: bool, weights: list[Tensor], grad_w1: Optional[Tensor], grad_w2: Optional[Tensor],
+                 x_cols: Optional[Tensor], x_scale: Optional[Tensor], token_permutation: bool,
+                 dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
+                 sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dX in bf16, dW1, dW2 in their weights' dtypes). saved: the forward's A24 (saved_a24) or Z.
     grad_w1, grad_w2 (both or neither; fp32, contiguous, the weights' shapes): dW1 and dW2 are
-    added into them, and come back empty."""
-    _check_dtypes("ffn_backward", w1, w2, x=x, saved=saved)
+    added into them, and come back empty. x_cols, x_scale: X's cast for dW1 that the forward made
+    (its last two outputs, where not empty), in place of x (None then)."""
+    _check_dtypes("ffn_backward", w1, w2, saved=saved, **({} if x is None else {"x": x}))
+    if (x is None) == (x_cols is None):
+        raise ValueError("srelu24::ffn_backward takes X or its cast for dW1 (the forward's x_cols, x_scale), one of them")
     o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
     kept = WeightOperands.from_flat(weights)
     grads = (grad_w1, grad_w2) if grad_w1 is not None and grad_w2 is not None else None
-    T, F_ = x.shape[0], w1.shape[0]
+    T, F_ = dy.shape[0], w1.shape[0]
     dy = dy.to(torch.bfloat16).contiguous()
-    perm = random_token_order(T, x.device) if token_permutation else None
-    dy_for_da, dy_for_dw2 = _gradient_casts(dy, F_, o, perm) or (None, None)
+    perm = random_token_order(T, dy.device) if token_permutation else None
+    dy_for_da, dy_for_dw2 = _gradient_casts(dy, F_, o)
     da = _dense_mm(dy, w2, o.float8, grad=True, converted=kept and kept.for_da, a_converted=dy_for_da)  # [T, F]
     del dy_for_da  # freed before the sparse passes allocate theirs
     dense = densest_from_counts(counts, dense_feature_fraction)
-    slots = dense_slots(dense, F_, x.device)[0] if dense is not None else None
+    slots = dense_slots(dense, F_, dy.device)[0] if dense is not None else None
     ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask)
     dx = _input_grad(ops, saved, da, w1, perm, T, o, kept)
-    dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy_for_dw2)
+    dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy_for_dw2,
+                             None if x_cols is None else (x_cols.t(), x_scale))
     if grads is not None:
         return dx.contiguous(), dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
     return dx.contiguous(), dw1.contiguous(), dw2
 
 
 @ffn_backward.register_fake
-def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, *flags):
+def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, x_cols, x_scale, *flags):
+    dx = torch.empty_like(dy, dtype=torch.bfloat16)  # X's shape
     if grad_w1 is not None and grad_w2 is not None:
-        return torch.empty_like(x), x.new_empty(0, dtype=w1.dtype), x.new_empty(0, dtype=w2.dtype)
-    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+        return dx, dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
+    return dx, torch.empty_like(w1), torch.empty_like(w2)
 
 
 def _setup_context(ctx, inputs, output):
@@ -284,8 +320,11 @@ def _setup_context(ctx, inputs, output):
     # weights that want no gradient take the plain path: adding would give them a .grad
     ctx.in_place = g1 is not None and g2 is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
     ctx.n_weights = len(weights)
-    _, saved, counts, _ = output
-    ctx.save_for_backward(x, w1, w2, saved, counts, *weights, *((g1, g2) if ctx.in_place else ()))
+    _, saved, counts, _, x_cols, x_scale = output
+    # X's cast for dW1 where the forward made it (1 byte an element, its scales), else X (2 bytes)
+    ctx.x_paired = x_cols.numel() > 0
+    xs = (x_cols, x_scale) if ctx.x_paired else (x,)
+    ctx.save_for_backward(*xs, w1, w2, saved, counts, *weights, *((g1, g2) if ctx.in_place else ()))
     # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
     # for them before the backward, a memset of [T, F] per layer that buys nothing
     ctx.set_materialize_grads(False)
@@ -297,9 +336,13 @@ def _backward(ctx, dy, *unused):  # only Y carries a gradient
     no_grads = ([None] * ctx.n_weights, None, None, None, None) + (None,) * len(ctx.flags)
     if dy is None:  # Y unused by the loss (gradients are not materialised)
         return (None, None, None) + no_grads
-    x, w1, w2, saved, counts, *rest = ctx.saved_tensors
+    tensors = ctx.saved_tensors
+    n = 2 if ctx.x_paired else 1
+    x, x_cols, x_scale = (None, *tensors[:2]) if ctx.x_paired else (tensors[0], None, None)
+    w1, w2, saved, counts, *rest = tensors[n:]
     weights, grads = rest[:ctx.n_weights], rest[ctx.n_weights:] or (None, None)
-    dx, dw1, dw2 = ffn_backward(dy, x, w1, w2, saved, counts, ctx.saved_a24, weights, *grads, *ctx.flags)
+    dx, dw1, dw2 = ffn_backward(dy, x, w1, w2, saved, counts, ctx.saved_a24, weights, *grads, x_cols, x_scale,
+                                *ctx.flags)
     if ctx.in_place:  # already in the buffers: autograd accumulates nothing for W1, W2
         dw1 = dw2 = None
     return (dx, dw1, dw2) + no_grads
@@ -327,7 +370,7 @@ def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), sta
     kept = step.weights.flat() if step is not None and step.weights is not None else []
     g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
     keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)  # decided here: a constant of the compiled graph
-    y, _, _, row = ffn_forward(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3),
+    y, _, _, row, _, _ = ffn_forward(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3),
                                _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, keep,
                                *options.flags(tokens_permuted))
     if stats is not None:
