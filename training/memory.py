@@ -11,7 +11,9 @@ What one GPU holds, for T = micro_batch_size x seq_len tokens, P parameters (P_b
     two normalised copies, q, k, v and the attention output (k, v with n_kv_heads), and the FFN's:
     swiglu its gate, up and product (3 hidden vectors), srelu Z and A = relu(Z)^2 (2), srelu24
     in its 2:4 phase the compressed A24 alone (the kept half of the values plus 2-bit metadata:
-    9/16 of Z's bytes); in its dense warmup it keeps what srelu keeps.
+    9/16 of Z's bytes); in its dense warmup it keeps what srelu keeps. (Under tensorwise float8 on
+    an sm90 GPU its FFN keeps X's e4m3 cast for dW1 in place of the normalised copy X, a byte per
+    token and d less; not counted, so the estimate stays an upper bound there.)
   A checkpointed block (trainer.activation_checkpointing) keeps only its input and recomputes
   the rest in its backward.
 - the largest transient, at the start of the backward, the larger of
