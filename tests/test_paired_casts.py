@@ -214,6 +214,7 @@ def _op_runs(monkeypatch, x, w1, w2, dy, weights_dtype=None) -> dict:
             y = kernel_ffn(x, w1, w2, SReLU24Recipe(token_permutation=False), float8="tensorwise")
         y.backward(dy)
         runs[paired] = ([y.detach().clone()] + [t.grad.clone() for t in (x, w1, w2)], saved)
+    monkeypatch.setattr(K, "_pairs_token_casts", real)
     return runs
 
 
@@ -228,7 +229,7 @@ def _check_paired_runs(runs: dict, x: torch.Tensor) -> None:
         assert _bitwise(a, b), what
     T, d = x.shape
     # the pair's forward keeps X's dW1 cast [d, T] in e4m3 (and its scales) in place of X
-    assert any(t.dtype == E4M3 and t.shape == (d, T) for t in saved_paired)
+    assert any(t.dtype == torch.uint8 and t.shape == (d, T) for t in saved_paired)  # e4m3 bytes
     is_x = lambda t: t.dtype == x.dtype and t.shape == x.shape and t.data_ptr() == x.data_ptr()  # noqa: E731 (a view)
     assert not any(map(is_x, saved_paired)) and any(map(is_x, saved_alone))
 
@@ -270,6 +271,12 @@ def test_the_op_on_the_cpu_takes_the_pairs_bit_for_bit(monkeypatch):
     w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
     dy = torch.randn(128, 64, generator=g).bfloat16()
     _check_paired_runs(_op_runs(monkeypatch, x, w1, w2, dy), x)
+    # the forward's schema, fake and autograd with the cast among its outputs
+    from helpers import forward_args
+    import srelu24_kernels.srelu24.op as K
+    o = OpOptions(SReLU24Recipe(token_permutation=False), "tensorwise", True)
+    assert K.ffn_forward(*forward_args(x.detach(), w1.detach(), w2.detach(), False, o))[4].shape == (64, 128)
+    torch.library.opcheck(K.ffn_forward, forward_args(x, w1, w2, False, o))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

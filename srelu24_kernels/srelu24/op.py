@@ -146,8 +146,8 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
                 sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d]; A24 [padded(T, 64), 9F/16] if keep_a24 else Z [T, F], for the backward;
     kept non-zeros per feature [F] int32; the statistics row [N_SUMS] float64, empty unless
-    collect_stats; X's e4m3 cast for dW1 [d, T] and its column scales [d] where _pairs_token_casts
-    (the backward keeps these instead of X), else empty). weights: WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the
+    collect_stats; X's e4m3 cast for dW1 [d, T] (its bytes, uint8) and its column scales [d] where
+    _pairs_token_casts (the backward keeps these instead of X), else empty). weights: WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the
     buffers it adds into), taken here so that autograd hands them to it. keep_a24: `keeps_a24`,
     asked by the caller: an argument is part of a compiled graph and so of Inductor's on-disk
     cache key, which cannot see whether the CUDA kernels are built (a graph compiled with them,
@@ -169,8 +169,9 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
     y = _sparse_mm(buf, w2.t(), o.e4m3, converted=kept and kept.for_y)[:T]
     row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))  # no launch on the hot path
-    x_cols, x_scale = for_dw1 if for_dw1 is not None else (x.new_empty(0, dtype=fp8_paired.E4M3),
-                                                           x.new_empty(0, dtype=torch.float32))
+    # the cast's bytes as uint8: an integer output, which autograd gives no gradient (float8 ones it would try to)
+    x_cols, x_scale = ((for_dw1[0].view(torch.uint8), for_dw1[1]) if for_dw1 is not None
+                       else (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32)))
     return y, buf if keep_a24 else z, counts, row, x_cols, x_scale
 
 
@@ -185,7 +186,7 @@ def _(x, w1, w2, weights, grad_w1, grad_w2, collect_stats, keep_a24, token_permu
                                                x.device)
     return (x.new_empty(T, w2.shape[0]), saved, x.new_empty(F_, dtype=torch.int32),
             x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64),
-            x.new_empty((d, T) if paired else 0, dtype=fp8_paired.E4M3), x.new_empty(d if paired else 0, dtype=torch.float32))
+            x.new_empty((d, T) if paired else 0, dtype=torch.uint8), x.new_empty(d if paired else 0, dtype=torch.float32))
 
 
 # ------------------------------------------------------------------ backward
@@ -281,7 +282,7 @@ def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved:
     """(dX in bf16, dW1, dW2 in their weights' dtypes). saved: the forward's A24 (saved_a24) or Z.
     grad_w1, grad_w2 (both or neither; fp32, contiguous, the weights' shapes): dW1 and dW2 are
     added into them, and come back empty. x_cols, x_scale: X's cast for dW1 that the forward made
-    (its last two outputs, where not empty), in place of x (None then)."""
+    (its last two outputs, where not empty: e4m3 bytes as uint8), in place of x (None then)."""
     _check_dtypes("ffn_backward", w1, w2, saved=saved, **({} if x is None else {"x": x}))
     if (x is None) == (x_cols is None):
         raise ValueError("srelu24::ffn_backward takes X or its cast for dW1 (the forward's x_cols, x_scale), one of them")
@@ -299,7 +300,7 @@ def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved:
     ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask)
     dx = _input_grad(ops, saved, da, w1, perm, T, o, kept)
     dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy_for_dw2,
-                             None if x_cols is None else (x_cols.t(), x_scale))
+                             None if x_cols is None else (x_cols.view(fp8_paired.E4M3).t(), x_scale))
     if grads is not None:
         return dx.contiguous(), dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
     return dx.contiguous(), dw1.contiguous(), dw2
