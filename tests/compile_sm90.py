@@ -59,8 +59,8 @@ def empty(*shape, dtype=torch.bfloat16):
 
 def weight_conversions():
     """srelu24's kept e4m3 conversions of fp32 (and bf16) W1 [F, d], W2 [d, F]: the tensorwise pairs
-    (paired.py) and one by one (rowwise: fp8_sparse.kmajor_e4m3, fp8_gemm.b_operand's casts); dY's
-    pair (e5m2 and e4m3) in the tensorwise backward."""
+    (paired.py) and one by one (rowwise: fp8_sparse.kmajor_e4m3, fp8_gemm.b_operand's casts); X's
+    pair (e4m3) in the tensorwise forward and dY's (e5m2 and e4m3) in its backward."""
     from srelu24_kernels.float8 import gemm, paired, sparse
     for d, f, t in SHAPES.values():
         for dt in (torch.float32, torch.bfloat16):
@@ -71,6 +71,7 @@ def weight_conversions():
             sparse.kmajor_e4m3(w1)       # dX's B: columns of W1
             gemm.rowwise_e4m3(w1)        # Z's B, rowwise
         paired.paired_casts(empty(t, d), "tensor", "cols", dtypes=(paired.E5M2, paired.E4M3))  # dY's pair
+        paired.paired_casts(empty(t, d), "tensor", "cols")  # X's pair (forward)
 
 
 def scaled_casts():
