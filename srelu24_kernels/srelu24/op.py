@@ -147,8 +147,9 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
     """(Y [T, d]; A24 [padded(T, 64), 9F/16] if keep_a24 else Z [T, F], for the backward;
     kept non-zeros per feature [F] int32; the statistics row [N_SUMS] float64, empty unless
     collect_stats; X's e4m3 cast for dW1 [d, T] (its bytes, uint8) and its column scales [d] where
-    _pairs_token_casts (the backward keeps these instead of X), else empty). weights: WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the
-    buffers it adds into), taken here so that autograd hands them to it. keep_a24: `keeps_a24`,
+    _pairs_token_casts (the backward keeps these instead of X), else empty). weights:
+    WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the buffers it adds into),
+    taken here so that autograd hands them to it. keep_a24: `keeps_a24`,
     asked by the caller: an argument is part of a compiled graph and so of Inductor's on-disk
     cache key, which cannot see whether the CUDA kernels are built (a graph compiled with them,
     reused without, expected A24 where the op returned Z)."""
@@ -246,8 +247,8 @@ def _pairs_token_casts(T: int, F_: int, o: OpOptions, device) -> bool:
     (fp8_paired.paired_casts, the bytes of the one-by-one ones): where both GEMMs that read each take
     those. The tensorwise recipe (X, dY scaled as a whole for Z and dA), e4m3 2:4 GEMMs that
     fp8_sparse.usable will accept for dW1 and dW2 (an sm90 GPU, F and the tokens T multiples of 64),
-    and the tokens in their own order (the block permuted them, or no order is drawn: the op's
-    own order would take the backward's operands out of the forward's)."""
+    and the tokens in their own order (the block permuted them, or no order is drawn: an order the
+    op draws is drawn in the backward, after X's casts)."""
     return (o.float8 == "tensorwise" and o.e4m3 and not o.recipe.token_permutation and T % 64 == 0 and F_ % 64 == 0
             and fp8_sparse.available(device))
 
@@ -372,8 +373,8 @@ def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), sta
     g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
     keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)  # decided here: a constant of the compiled graph
     y, _, _, row, _, _ = ffn_forward(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3),
-                               _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, keep,
-                               *options.flags(tokens_permuted))
+                                     _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, keep,
+                                     *options.flags(tokens_permuted))
     if stats is not None:
         stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])
