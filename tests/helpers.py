@@ -218,4 +218,4 @@ def backward_args(dy, x, w1, w2, saved, counts, options) -> tuple:
     from srelu24_kernels.srelu24.op import keeps_a24
 
     return (dy, x, w1, w2, saved, counts, keeps_a24(x, w1, options.recipe.reuse_forward_mask), [], None, None,
-            None, None, *options.flags())
+            None, None, None, *options.flags())

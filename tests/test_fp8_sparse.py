@@ -401,7 +401,7 @@ def _recorded_weight_dtypes(monkeypatch, w_dtype, float8: str, sparse_float8: bo
     def recording(x, w1, w2, *args):
         seen.append((x.dtype, w1.dtype, w2.dtype))
         return (x.new_zeros(x.shape[0], w2.shape[0]), x, x, x.new_empty(0, dtype=torch.float64),
-                x.new_empty(0, dtype=torch.uint8), x.new_empty(0))
+                x.new_empty(0, dtype=torch.uint8), x.new_empty(0), x.new_empty(0))
 
     monkeypatch.setattr(K, "ffn_forward", recording)
     x = torch.randn(2, 8, 16)

@@ -30,8 +30,12 @@ def weight(r: int, c: int, seed: int, special: bool = False) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """float8 bytes as they are (NaN is 0x7F in both paths); float32 bits with every NaN as one pattern:
+    a NaN's sign and payload are the arithmetic's (x86's default NaN has its sign set, the GPU's not)."""
     t = t.cpu()
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)  # NaNs compared too
+    if t.element_size() == 1:
+        return t.view(torch.uint8)
+    return torch.where(t.isnan(), torch.tensor(0x7FC00000, dtype=torch.int32), t.view(torch.int32))
 
 
 def _equal(got, want) -> bool:
@@ -241,7 +245,8 @@ def _e4m3_sparse_stand_in(monkeypatch):
         return b if b_e4m3 is None else b_e4m3[0].float() / b_e4m3[1][None, :]
 
     def sparse_and_dense_mm(buf, dense_rows, b, transpose_result=False, out_dtype=torch.bfloat16, slots=None,
-                            accumulate_into=None, b_e4m3=None):
+                            accumulate_into=None, b_e4m3=None, a_e4m3=None):
+        assert a_e4m3 is None  # S(A24)^T in e4m3 needs the CUDA kernels
         return fp8_sparse.sparse_and_dense_mm_reference(buf, dense_rows, b_of(b, b_e4m3), transpose_result, out_dtype,
                                                         slots, accumulate_into)
 

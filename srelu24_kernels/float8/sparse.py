@@ -246,10 +246,10 @@ def usable(buf: Tensor, b: Tensor) -> bool:
             and buf.shape[0] % 64 == 0 and b.shape[0] % 64 == 0 and buf.numel() * 16 == buf.shape[0] * b.shape[0] * 9)
 
 
-def _sparse_product(buf: Tensor, b8: Tensor, sb: Tensor, transpose_result: bool,
-                    out_dtype: torch.dtype = torch.bfloat16, dense_columns=None, accumulate_into=None) -> Tensor:
-    m, k = buf.shape[0], b8.shape[0]
-    a8, sa = compressed_to_e4m3(buf, m, k)
+def _sparse_product(buf: Tensor | None, b8: Tensor, sb: Tensor, transpose_result: bool,
+                    out_dtype: torch.dtype = torch.bfloat16, dense_columns=None, accumulate_into=None,
+                    a_e4m3: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    a8, sa = a_e4m3 if a_e4m3 is not None else compressed_to_e4m3(buf, buf.shape[0], b8.shape[0])
     y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
     sr, sc = (sb, sa) if transpose_result else (sa, sb)  # transposed, y is (A B)^T: B's columns are its rows
     return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=dense_columns,
@@ -280,10 +280,11 @@ def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:
                             out_dtype=torch.bfloat16, use_fast_accum=False)
 
 
-def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
+def sparse_and_dense_mm(buf: Tensor | None, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
                         out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
                         accumulate_into: Tensor | None = None,
-                        b_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+                        b_e4m3: tuple[Tensor, Tensor] | None = None,
+                        a_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
     of B: a weight gradient's 2:4 product and its dense features' rows (srelu24_kernels/srelu24/op.py).
     out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
@@ -291,14 +292,17 @@ def sparse_and_dense_mm(buf: Tensor, dense_rows: Tensor | None, b: Tensor, trans
     transpose_result): the dense rows go into the product's columns in its unscaling pass instead,
     and None comes back in their place. accumulate_into: the 2:4 product added into it (unscale's),
     and it returned in the product's place. b_e4m3: kmajor_e4m3(b), where the caller has it already
-    (dY's, made with its other conversion: srelu24_kernels/float8/paired.py)."""
+    (dY's, made with its other conversion: srelu24_kernels/float8/paired.py). a_e4m3: compressed_to_e4m3's
+    (values, row scales) of buf, where the caller has them already (S(A24)^T, written in e4m3 by the
+    backward's pass: srelu24_kernels/srelu24/sparsify_backward.py); buf is not read then."""
     b8, sb = b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)
     dense = None if dense_rows is None else dense_mm(dense_rows, b8, sb)
     if slots is not None and dense is not None:
         if not transpose_result:
             raise ValueError("sparse_and_dense_mm writes dense columns only into a transposed product (dW2 [d, F])")
-        return _sparse_product(buf, b8, sb, True, out_dtype, (slots, dense), accumulate_into), None
-    return _sparse_product(buf, b8, sb, transpose_result, out_dtype, accumulate_into=accumulate_into), dense
+        return _sparse_product(buf, b8, sb, True, out_dtype, (slots, dense), accumulate_into, a_e4m3), None
+    return _sparse_product(buf, b8, sb, transpose_result, out_dtype, accumulate_into=accumulate_into,
+                           a_e4m3=a_e4m3), dense
 
 
 def _dequantized(q: Tensor, s: Tensor) -> Tensor:

@@ -8,9 +8,11 @@ Same function as srelu24_kernels.srelu24.reference.srelu24_ffn (its reference), 
                                          as the other three sparse GEMMs: srelu24_kernels/float8/sparse.py)
               kept for the backward: compressed A24 (9/16 of Z's bytes) where the CUDA backward
               kernel is built, else Z (the Triton backward reads Z); `keeps_a24` decides, the
-              caller passes the choice in (keep_a24), and the backward is told which
+              caller passes the choice in (keep_a24), and the backward is told which; with A24
+              in e4m3 mode, A24's column maxima too (_fuses_a24_cast)
     backward  dA = dY W2                 dense (float8 as Z)
-              the three sparse operands from one pass over A24 (or Z) and dA (sparsify_backward.py)
+              the three sparse operands from one pass over A24 (or Z) and dA (sparsify_backward.py),
+              S(A24)^T straight in e4m3 where the forward took A24's column maxima
               dX = dZ W1                 sparse: dZ compressed at the forward's positions
                                          (a dense GEMM when reuse_forward_mask is off)
               dW2 = dY^T S(A24)          sparse: S()^T tokens permuted, the dense features zeroed there
@@ -32,6 +34,10 @@ The backward's modes, and who sets them:
                                                                             keeps the second instead of X; dA's A
                                                                             and dW2's B likewise from dY
     gradients added into .grad    StepState (training/step.py)              dW1, dW2 added into the given buffers
+    S(A24)^T written in e4m3      A24 kept, e4m3, an unlogged step,         the forward's sparsify pass takes A24's
+                                  tokens a multiple of 64                   column maxima, from which the backward's
+                                  (_fuses_a24_cast)                         pass writes dW2's A in e4m3 (no bf16
+                                                                            copy, no conversion pass)
 
 Weights: bf16, or in e4m3 mode fp32 as the model keeps them (every use of a weight there is an e4m3
 conversion that reads fp32, and the weight gradients are written in fp32, so autograd casts
@@ -123,17 +129,20 @@ def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False,
     return sparse_mm(a, b.to(torch.bfloat16), transpose_result)
 
 
-def _weight_grad_mm(a: Tensor, dense_rows: Optional[Tensor], b: Tensor, e4m3: bool, out_dtype: torch.dtype,
+def _weight_grad_mm(a, dense_rows: Optional[Tensor], b: Tensor, e4m3: bool, out_dtype: torch.dtype,
                     transpose_result: bool = False, slots: Optional[Tensor] = None,
                     into: Optional[Tensor] = None, converted=None) -> tuple[Tensor, Optional[Tensor]]:
     """(a weight gradient's 2:4 product in out_dtype, its dense features' exact rows dense_rows @ b
     or None): in e4m3 where the 2:4 GEMMs are (one conversion of b for both, `converted` where the
     caller made it; the product written in out_dtype by the unscaling pass, which also writes the
     dense rows as dW2's columns where given `slots`, None coming back for them, and adds into `into`
-    where given, returning it), else bf16. Where `converted` is given b may be None (X's kept cast)."""
-    if converted is not None or (e4m3 and fp8_sparse.usable(a, b)):  # b is not read where converted
-        return fp8_sparse.sparse_and_dense_mm(a, dense_rows, b, transpose_result, out_dtype, slots, into,
-                                              b_e4m3=converted)
+    where given, returning it), else bf16. Where `converted` is given b may be None (X's kept cast).
+    a: a compressed bf16 buffer, or one already in e4m3 as (values, row scales) (S(A24)^T from the
+    backward's pass: always an e4m3 product)."""
+    a_e4m3 = a if isinstance(a, tuple) else None
+    if converted is not None or a_e4m3 is not None or (e4m3 and fp8_sparse.usable(a, b)):  # b unread where converted
+        return fp8_sparse.sparse_and_dense_mm(None if a_e4m3 is not None else a, dense_rows, b, transpose_result,
+                                              out_dtype, slots, into, b_e4m3=converted, a_e4m3=a_e4m3)
     return sparse_mm(a, b, transpose_result).to(out_dtype), None if dense_rows is None else dense_rows @ b
 
 
@@ -143,11 +152,12 @@ def _weight_grad_mm(a: Tensor, dense_rows: Optional[Tensor], b: Tensor, e4m3: bo
 def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w1: Optional[Tensor],
                 grad_w2: Optional[Tensor], collect_stats: bool, keep_a24: bool, token_permutation: bool,
                 dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
-                sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d]; A24 [padded(T, 64), 9F/16] if keep_a24 else Z [T, F], for the backward;
     kept non-zeros per feature [F] int32; the statistics row [N_SUMS] float64, empty unless
     collect_stats; X's e4m3 cast for dW1 [d, T] (its bytes, uint8) and its column scales [d] where
-    _pairs_token_casts (the backward keeps these instead of X), else empty). weights:
+    _pairs_token_casts (the backward keeps these instead of X), else empty; A24's column maxima [F]
+    float32 where _fuses_a24_cast, else empty). weights:
     WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the buffers it adds into),
     taken here so that autograd hands them to it. keep_a24: `keeps_a24`,
     asked by the caller: an argument is part of a compiled graph and so of Inductor's on-disk
@@ -166,14 +176,17 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
     del for_z
     # logged steps only: the statistics come out of the sparsify pass, no extra pass over Z
     totals = torch.zeros(3, dtype=torch.float64, device=z.device) if collect_stats else None
-    buf, counts = srelu_sparsify_2to4(z, totals=totals)
+    amax = torch.zeros(w1.shape[0], dtype=torch.float32, device=x.device) if _fuses_a24_cast(
+        T, w1.shape[0], o, x.device, keep_a24, collect_stats) else None
+    buf, counts = srelu_sparsify_2to4(z, totals=totals, amax=amax)
     y = _sparse_mm(buf, w2.t(), o.e4m3, converted=kept and kept.for_y)[:T]
     row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))  # no launch on the hot path
     # the cast's bytes as uint8: an integer output, which autograd gives no gradient (float8 ones it would try to)
     x_cols, x_scale = ((for_dw1[0].view(torch.uint8), for_dw1[1]) if for_dw1 is not None
                        else (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32)))
-    return y, buf if keep_a24 else z, counts, row, x_cols, x_scale
+    return (y, buf if keep_a24 else z, counts, row, x_cols, x_scale,
+            amax if amax is not None else x.new_empty(0, dtype=torch.float32))
 
 
 @ffn_forward.register_fake
@@ -182,26 +195,27 @@ def _(x, w1, w2, weights, grad_w1, grad_w2, collect_stats, keep_a24, token_permu
     _check_dtypes("ffn_forward", w1, w2, x=x)
     T, F_ = x.shape[0], w1.shape[0]
     saved = x.new_empty(padded(T, ROWS_PER_BAND), F_ * 9 // 16) if keep_a24 else x.new_empty(T, F_)
-    d, paired = x.shape[1], _pairs_token_casts(T, F_, OpOptions.from_flags(token_permutation, dense_feature_fraction,
-                                                                            reuse_forward_mask, float8, sparse_float8),
-                                               x.device)
+    o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
+    d, paired = x.shape[1], _pairs_token_casts(T, F_, o, x.device)
+    fused = _fuses_a24_cast(T, F_, o, x.device, keep_a24, collect_stats)
     return (x.new_empty(T, w2.shape[0]), saved, x.new_empty(F_, dtype=torch.int32),
             x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64),
-            x.new_empty((d, T) if paired else 0, dtype=torch.uint8), x.new_empty(d if paired else 0, dtype=torch.float32))
+            x.new_empty((d, T) if paired else 0, dtype=torch.uint8), x.new_empty(d if paired else 0, dtype=torch.float32),
+            x.new_empty(F_ if fused else 0, dtype=torch.float32))
 
 
 # ------------------------------------------------------------------ backward
 
 class _SparseOperands(NamedTuple):
     dz: Tensor                         # dZ compressed at the forward's positions, rows permuted
-    a_tokens: tuple[Tensor, Optional[Tensor]]   # S(A24)^T, and A24^T of the dense features
+    a_tokens: tuple                    # S(A24)^T (bf16, or e4m3 as (values, row scales)), A24^T of the dense features
     dz_tokens: tuple[Tensor, Optional[Tensor]]  # S(dZ)^T, and dZ^T of the dense features
 
 
 def _sparse_operands(saved: Tensor, saved_a24: bool, da: Tensor, perm, dense, slots,
-                     reuse_forward_mask: bool) -> _SparseOperands:
+                     reuse_forward_mask: bool, a_amax: Optional[Tensor] = None) -> _SparseOperands:
     if saved_a24:
-        return _SparseOperands(*backward_operands_from_a24(saved, da, perm, dense, slots=slots))
+        return _SparseOperands(*backward_operands_from_a24(saved, da, perm, dense, slots=slots, a_amax=a_amax))
     return _SparseOperands(*backward_operands(saved, da, perm, dense, reuse_forward_mask, slots=slots))
 
 
@@ -253,6 +267,16 @@ def _pairs_token_casts(T: int, F_: int, o: OpOptions, device) -> bool:
             and fp8_sparse.available(device))
 
 
+def _fuses_a24_cast(T: int, F_: int, o: OpOptions, device, keep_a24: bool, collect_stats: bool) -> bool:
+    """Whether the forward takes A24's column maxima (srelu_sparsify_2to4's amax) so that the
+    backward's pass writes S(A24)^T, dW2's A, straight in e4m3 (backward_operands_from_a24's a_amax):
+    the same bytes as converting its bf16 buffer, without that buffer or the conversion pass. Where
+    A24 is kept (the CUDA kernels), the 2:4 GEMMs are e4m3 and the tokens T a multiple of 64 (the
+    e4m3 layout); not on logged steps (collect_stats), whose forward is the Triton kernel's."""
+    return (keep_a24 and o.e4m3 and not collect_stats and T % 64 == 0 and F_ % 64 == 0
+            and fp8_sparse.available(device))
+
+
 def _input_casts(x: Tensor, F_: int, o: OpOptions) -> tuple[Optional[tuple], Optional[tuple]]:
     """(Z = X W1^T's A: e4m3 scaled as a whole, as fp8_gemm.a_operand; dW1's B: e4m3 per column,
     K-major, as fp8_sparse.kmajor_e4m3 — its values [d, T] and scales, which the forward returns
@@ -277,13 +301,14 @@ def _gradient_casts(dy: Tensor, F_: int, o: OpOptions) -> tuple[Optional[tuple],
 @torch.library.custom_op("srelu24::ffn_backward", mutates_args=("grad_w1", "grad_w2"))
 def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
                  saved_a24: bool, weights: list[Tensor], grad_w1: Optional[Tensor], grad_w2: Optional[Tensor],
-                 x_cols: Optional[Tensor], x_scale: Optional[Tensor], token_permutation: bool,
-                 dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
+                 x_cols: Optional[Tensor], x_scale: Optional[Tensor], a24_amax: Optional[Tensor],
+                 token_permutation: bool, dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
                  sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dX in bf16, dW1, dW2 in their weights' dtypes). saved: the forward's A24 (saved_a24) or Z.
     grad_w1, grad_w2 (both or neither; fp32, contiguous, the weights' shapes): dW1 and dW2 are
     added into them, and come back empty. x_cols, x_scale: X's cast for dW1 that the forward made
-    (its last two outputs, where not empty: e4m3 bytes as uint8), in place of x (None then)."""
+    (its fifth and sixth outputs, where not empty: e4m3 bytes as uint8), in place of x (None then).
+    a24_amax: the forward's last output where not empty (A24 saved): S(A24)^T is then written in e4m3."""
     _check_dtypes("ffn_backward", w1, w2, saved=saved, **({} if x is None else {"x": x}))
     if (x is None) == (x_cols is None):
         raise ValueError("srelu24::ffn_backward takes X or its cast for dW1 (the forward's x_cols, x_scale), one of them")
@@ -298,7 +323,9 @@ def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved:
     del dy_for_da  # freed before the sparse passes allocate theirs
     dense = densest_from_counts(counts, dense_feature_fraction)
     slots = dense_slots(dense, F_, dy.device)[0] if dense is not None else None
-    ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask)
+    if a24_amax is not None and not saved_a24:
+        raise ValueError("srelu24::ffn_backward: A24's column maxima come with A24 saved (saved_a24)")
+    ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask, a24_amax)
     dx = _input_grad(ops, saved, da, w1, perm, T, o, kept)
     dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy_for_dw2,
                              None if x_cols is None else (x_cols.view(fp8_paired.E4M3).t(), x_scale))
@@ -308,7 +335,7 @@ def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved:
 
 
 @ffn_backward.register_fake
-def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, x_cols, x_scale, *flags):
+def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, x_cols, x_scale, a24_amax, *flags):
     dx = torch.empty_like(dy, dtype=torch.bfloat16)  # X's shape
     if grad_w1 is not None and grad_w2 is not None:
         return dx, dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
@@ -322,11 +349,13 @@ def _setup_context(ctx, inputs, output):
     # weights that want no gradient take the plain path: adding would give them a .grad
     ctx.in_place = g1 is not None and g2 is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
     ctx.n_weights = len(weights)
-    _, saved, counts, _, x_cols, x_scale = output
+    _, saved, counts, _, x_cols, x_scale, a24_amax = output
     # X's cast for dW1 where the forward made it (1 byte an element, its scales), else X (2 bytes)
     ctx.x_paired = x_cols.numel() > 0
     xs = (x_cols, x_scale) if ctx.x_paired else (x,)
-    ctx.save_for_backward(*xs, w1, w2, saved, counts, *weights, *((g1, g2) if ctx.in_place else ()))
+    ctx.a24_amax = a24_amax.numel() > 0
+    ctx.save_for_backward(*xs, w1, w2, saved, counts, *((a24_amax,) if ctx.a24_amax else ()), *weights,
+                          *((g1, g2) if ctx.in_place else ()))
     # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
     # for them before the backward, a memset of [T, F] per layer that buys nothing
     ctx.set_materialize_grads(False)
@@ -342,9 +371,10 @@ def _backward(ctx, dy, *unused):  # only Y carries a gradient
     n = 2 if ctx.x_paired else 1
     x, x_cols, x_scale = (None, *tensors[:2]) if ctx.x_paired else (tensors[0], None, None)
     w1, w2, saved, counts, *rest = tensors[n:]
+    a24_amax, rest = (rest[0], rest[1:]) if ctx.a24_amax else (None, rest)
     weights, grads = rest[:ctx.n_weights], rest[ctx.n_weights:] or (None, None)
     dx, dw1, dw2 = ffn_backward(dy, x, w1, w2, saved, counts, ctx.saved_a24, weights, *grads, x_cols, x_scale,
-                                *ctx.flags)
+                                a24_amax, *ctx.flags)
     if ctx.in_place:  # already in the buffers: autograd accumulates nothing for W1, W2
         dw1 = dw2 = None
     return (dx, dw1, dw2) + no_grads
@@ -372,7 +402,7 @@ def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), sta
     kept = step.weights.flat() if step is not None and step.weights is not None else []
     g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
     keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)  # decided here: a constant of the compiled graph
-    y, _, _, row, _, _ = ffn_forward(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3),
+    y, _, _, row, _, _, _ = ffn_forward(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3),
                                      _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, keep,
                                      *options.flags(tokens_permuted))
     if stats is not None:

@@ -38,6 +38,12 @@ def srelu_sparsify_2to4_reference(z: Tensor) -> tuple[Tensor, Tensor]:
     return compress(a_p, keep_p), counts
 
 
+def column_amax_reference(z: Tensor) -> Tensor:
+    """Each column's largest A24 value (float32 [K]): what srelu_sparsify_2to4 maxes into `amax`."""
+    a = F.relu(z).square()
+    return (a * mask_2to4(a)).float().amax(0) if z.shape[0] else z.new_zeros(z.shape[1], dtype=torch.float32)
+
+
 def activation_totals_reference(z: Tensor) -> Tensor:
     """[non-zeros, sum a^2, dropped sum a^2] of a = relu(z)^2 under its 2:4 selection (float64)."""
     a = F.relu(z).square()
@@ -137,7 +143,7 @@ def _srelu_sparsify_2to4_kernel(z_ptr, val_ptr, meta_ptr, counts_ptr, totals_ptr
         tl.atomic_add(totals_ptr + 2, tl.sum(dropped_sq).to(tl.float64))
 
 
-_CUDA_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64, ctypes.c_int]
+_CUDA_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_int64, ctypes.c_int]
 
 
 def cuda_usable(z: Tensor, counts: bool = True, totals: Optional[Tensor] = None) -> bool:
@@ -148,11 +154,14 @@ def cuda_usable(z: Tensor, counts: bool = True, totals: Optional[Tensor] = None)
 
 
 def srelu_sparsify_2to4(z: Tensor, bands: int = 8, counts: bool = True, num_warps: int = 4,
-                     totals: Optional[Tensor] = None, backend: str = "auto") -> tuple[Tensor, Tensor]:
+                     totals: Optional[Tensor] = None, backend: str = "auto",
+                     amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Fused kernel version of srelu_sparsify_2to4_reference (z: [M, K] bf16, K % 32 == 0).
     With `totals` (float64 [3]): adds [non-zeros, sum a^2, dropped sum a^2] of a = relu(Z)^2,
     see activation_totals_reference. backend: "cuda", "triton", or "auto": cuda where
-    `cuda_usable`, else triton (bands and num_warps are the Triton launch's)."""
+    `cuda_usable`, else triton (bands and num_warps are the Triton launch's). amax (float32 [K],
+    zeros; the CUDA kernel only): each feature's largest A24 value over the rows is maxed into it
+    (column_amax_reference), for the backward's e4m3 S(A24)^T (sparsify_backward.py)."""
     M, K = z.shape
     if K % 32:
         raise ValueError(f"srelu_sparsify_2to4 needs the feature count to be a multiple of 32, got {K}")
@@ -164,8 +173,15 @@ def srelu_sparsify_2to4(z: Tensor, bands: int = 8, counts: bool = True, num_warp
         raise ValueError("srelu_sparsify_2to4: totals need the counts (counts=True): the statistics use both")
     if totals is not None and (totals.shape != (3,) or totals.dtype != torch.float64):
         raise ValueError("srelu_sparsify_2to4: totals must be a float64 [3] tensor")
-    cuda = use_cuda(backend, lambda: cuda_usable(z, counts, totals), "srelu_sparsify_2to4",
-                    "16-byte aligned rows, K % 64 == 0, counts=True and no totals")
+    if amax is not None and (amax.shape != (K,) or amax.dtype != torch.float32 or not amax.is_contiguous()
+                             or amax.device != z.device):
+        raise ValueError(f"srelu_sparsify_2to4: amax must be a contiguous float32 [{K}] on {z.device}, got "
+                         f"{amax.dtype} {tuple(amax.shape)} on {amax.device}")
+    if amax is not None and backend == "triton":
+        raise ValueError("srelu_sparsify_2to4: amax is the CUDA kernel's (backend 'cuda' or 'auto')")
+    cuda = use_cuda("cuda" if amax is not None else backend, lambda: cuda_usable(z, counts, totals),
+                    "srelu_sparsify_2to4", "16-byte aligned rows, K % 64 == 0, counts=True and no totals"
+                    + (" (amax is the CUDA kernel's)" if amax is not None else ""))
     Mp = padded(M, ROWS_PER_BAND)
     buf = empty_compressed(compressed_numel(Mp, K), torch.bfloat16, z.device)
     nnz = torch.zeros(K, dtype=torch.int32, device=z.device)
@@ -174,7 +190,7 @@ def srelu_sparsify_2to4(z: Tensor, bands: int = 8, counts: bool = True, num_warp
         # 64-row bands per block: as many as keep >= 4096 blocks (the counts' atomics amortised)
         per_block = next((b for b in (8, 4, 2) if -(-n_bands // b) * (K // 64) >= 4096), 1)
         launch("srelu24_sparsify", _CUDA_ARGS, z.data_ptr(), buf.data_ptr(), buf.data_ptr() + Mp * K, nnz.data_ptr(),
-               M, Mp, K, z.stride(0), per_block, device=z.device)
+               None if amax is None else amax.data_ptr(), M, Mp, K, z.stride(0), per_block, device=z.device)
         return buf.view(Mp, -1), nnz
     bands = next(b for b in (bands, 8, 4, 2, 1) if n_bands % b == 0)
     grid = (K // 32, n_bands // bands)

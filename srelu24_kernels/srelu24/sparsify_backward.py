@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..cusparselt.layout import (COLS_PER_CHUNK, ROWS_PER_BAND, compress, compressed_numel, empty_compressed,
-                                 pad_rows, padded)
+from ..cusparselt.layout import (COLS_PER_CHUNK, E4M3_COLS_PER_CHUNK, ROWS_PER_BAND, compress, compressed_bytes_e4m3,
+                                 compressed_numel, empty_compressed, pad_rows, padded)
 from .native import KERNELS, kernels_usable, launch, use_cuda
 from .reference import mask_2to4
 from .sparsify import round_to_bf16, top2_of_4
@@ -212,7 +212,7 @@ def cuda_usable(z: Tensor, da: Tensor, reuse_forward_mask: bool = True) -> bool:
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64]
-_CUDA_A24_ARGS = [_P] * 13 + [_I, _I, _I, _I, _I64]
+_CUDA_A24_ARGS = [_P] * 15 + [_I, _I, _I, _I, _I64]
 
 
 def _token_order(perm: Optional[Tensor], T: int, device) -> Tensor:
@@ -232,16 +232,19 @@ def _checked_slots(slots: Optional[Tensor], dense: Optional[Tensor], Fh: int, de
     return slots, dense.numel()
 
 
-def _outputs(Tr: int, Tp: int, Fh: int, k: int, reuse_forward_mask: bool, device):
+def _outputs(Tr: int, Tp: int, Fh: int, k: int, reuse_forward_mask: bool, device, a_e4m3: bool = False):
     """The pass's output buffers: dZ's (values then metadata; a stub without the forward mask),
-    and (compressed, dense rows) for each token-dimension operand."""
+    and (compressed, dense rows) for each token-dimension operand (a_e4m3: S(A24)^T's compressed
+    buffer as e4m3 bytes, uint8)."""
     # without the forward mask dZ is not 2:4 and the kernel writes no feature-dimension operand
     dz_buf = empty_compressed(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, torch.bfloat16, device)
     outs = []
-    for _ in range(2):
+    for i in range(2):
         # every column < Tp of the dense rows is written (padding tokens as zeros)
         full = torch.empty(max(k, 1), Tp, dtype=torch.bfloat16, device=device)
-        outs.append((empty_compressed(compressed_numel(Fh, Tp), torch.bfloat16, device), full))
+        buf = (empty_compressed(compressed_bytes_e4m3(Fh, Tp), torch.uint8, device) if a_e4m3 and i == 0
+               else empty_compressed(compressed_numel(Fh, Tp), torch.bfloat16, device))
+        outs.append((buf, full))
     return dz_buf, outs
 
 
@@ -301,16 +304,27 @@ def a24_usable(device, Fh: int, reuse_forward_mask: bool = True) -> bool:
 
 
 def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
-                               slots: Optional[Tensor] = None):
+                               slots: Optional[Tensor] = None, a_amax: Optional[Tensor] = None):
     """backward_operands, reading the forward's compressed A24 (srelu_sparsify_2to4's buffer for the
     same T tokens, [padded(T, ROWS_PER_BAND), 9F/16]) instead of Z: the FFN then keeps A24 (9/16 of Z's
     bytes) for its backward, and the pass reads about 190 MiB less at 7B, T=16384. The CUDA
     kernel only (`a24_usable`); the forward mask re-used. Equal to backward_operands(z, ...) bit for
     bit wherever the positive entries of Z lie in [1.1e-19, 1.8e19] (bf16(z^2) normal and finite:
     relu(z) is recovered exactly as bf16(sqrt(a))). Outside it dZ differs there: 0 below 6.8e-21
-    (a = 0), an approximate relu(z) up to 1.1e-19 (a subnormal), NaN above 1.8e19 (a = inf)."""
+    (a = 0), an approximate relu(z) up to 1.1e-19 (a subnormal), NaN above 1.8e19 (a = inf).
+
+    a_amax: the forward's column maxima of A24 (srelu_sparsify_2to4's `amax` for these tokens; T a
+    multiple of 64): S(A24)^T then comes in e4m3, as (values [F, 5T/8] float8_e4m3fn, row scales [F]
+    float32) in place of its bf16 buffer: the bytes fp8_sparse.compressed_to_e4m3 makes of that
+    buffer (the same call without a_amax), in the same pass. A row's amax is its feature's maximum, since
+    2:4 along tokens keeps each group's largest value; a dense feature's row is zeros."""
     T, Fh = da.shape
     Tr, Tp = padded(T, ROWS_PER_BAND), padded(T, COLS_PER_CHUNK)
+    if a_amax is not None and (T % E4M3_COLS_PER_CHUNK or tuple(a_amax.shape) != (Fh,) or a_amax.dtype != torch.float32
+                               or not a_amax.is_contiguous() or a_amax.device != da.device):
+        raise ValueError(f"backward_operands_from_a24: a_amax must be a contiguous float32 [{Fh}] on {da.device} and the "
+                         f"tokens a multiple of {E4M3_COLS_PER_CHUNK} (the e4m3 layout); got {a_amax.dtype} "
+                         f"{tuple(a_amax.shape)} on {a_amax.device}, {T} tokens")
     if tuple(a24.shape) != (Tr, Fh * 9 // 16) or a24.dtype != torch.bfloat16 or not a24.is_contiguous():
         raise ValueError(f"backward_operands_from_a24 needs A24 as srelu_sparsify_2to4 writes it for dA's {T} tokens: "
                          f"bf16 [{Tr}, {Fh * 9 // 16}], contiguous; got {a24.dtype} {tuple(a24.shape)}")
@@ -323,12 +337,18 @@ def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], 
                          f"GPU, F % 64 == 0 and 16-byte aligned rows; backward_operands(z, ...) runs anywhere")
     order = _token_order(perm, T, da.device)
     slots, k = _checked_slots(slots, dense, Fh, da.device)
-    dz_buf, outs = _outputs(Tr, Tp, Fh, k, True, da.device)
+    dz_buf, outs = _outputs(Tr, Tp, Fh, k, True, da.device, a_e4m3=a_amax is not None)
     (a_buf, a_full), (g_buf, g_full) = outs
+    a_scale = torch.empty(Fh, dtype=torch.float32, device=da.device) if a_amax is not None else None
+    a_meta = a_buf[Fh * Tp // 2:] if a_amax is not None else _meta(a_buf, Fh, Tp)  # e4m3: bytes after the values
     launch("srelu24_backward_operands_a24", _CUDA_A24_ARGS, *(t.data_ptr() for t in (
-        a24, _meta(a24, Tr, Fh), da, order, slots, dz_buf, _meta(dz_buf, Tr, Fh), a_buf, _meta(a_buf, Fh, Tp), a_full,
-        g_buf, _meta(g_buf, Fh, Tp), g_full)), T, Tp, Tr, Fh, da.stride(0), device=da.device)
-    return _results(dz_buf, outs, Tr, Fh, k, True)
+        a24, _meta(a24, Tr, Fh), da, order, slots, dz_buf, _meta(dz_buf, Tr, Fh), a_buf, a_meta, a_full,
+        g_buf, _meta(g_buf, Fh, Tp), g_full)), None if a_amax is None else a_amax.data_ptr(),
+        None if a_scale is None else a_scale.data_ptr(), T, Tp, Tr, Fh, da.stride(0), device=da.device)
+    dz, (a_op, a_full), g = _results(dz_buf, outs, Tr, Fh, k, True)
+    if a_amax is not None:
+        a_op = (a_buf.view(torch.float8_e4m3fn).view(Fh, -1), a_scale)
+    return dz, (a_op, a_full), g
 
 
 @triton.jit

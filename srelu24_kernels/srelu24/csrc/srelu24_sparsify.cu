@@ -7,10 +7,14 @@
 // (where dA holds Inf or NaN, or Z is NaN, they may disagree: the kernels take max(z, 0), which drops
 // NaN, the Triton kernels' bf16 rounding turns NaN into -0.0, and this file's keys rank NaN highest):
 //
-//   forward   A24 compressed along features (cuSPARSELt's sm90 layout), kept non-zeros per feature
+//   forward   A24 compressed along features (cuSPARSELt's sm90 layout), kept non-zeros per feature,
+//             and where asked each feature's largest A24 value over the tokens
 //   backward  dZ compressed along features at the forward's 2:4 positions, rows in permuted order;
 //             S(A24)^T and S(dZ)^T, 2:4 along tokens (tokens permuted), transposed; dense features
-//             zeroed there and written exactly to [k, Tp] buffers
+//             zeroed there and written exactly to [k, Tp] buffers. Where given the forward's maxima,
+//             S(A24)^T is written in e4m3 (values scaled per row, e4m3 metadata layout), as
+//             srelu24_kernels/float8/sparse.py's compressed_to_e4m3 would convert the bf16 one: 2:4
+//             along tokens keeps each group's largest value, so a row's amax is the feature's maximum
 //
 // Why CUDA: the Triton backward kernel is instruction-bound (high SM issue, low DRAM throughput;
 // benchmarks/RESULTS.md). cuSPARSELt's 2:4 metadata layout packs nibbles of rows 8 apart and of
@@ -28,6 +32,7 @@
 //
 // Build: make kernels (build/srelu24_kernels.so); loaded by srelu24_kernels/srelu24/native.py through ctypes.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -122,6 +127,24 @@ __device__ __forceinline__ float relu_from_a24(uint32_t a_bits) {
   return a > 0.0f ? bf16_to_float(float_to_bf16(a * rsqrtf(a))) : 0.0f;
 }
 
+// cast.pow2_scale of a non-negative amax given by its bits: the largest power of 2 s with amax s <= 448
+// (e4m3's largest), 2^(8 - e) or 2^(7 - e) for amax = m 2^e with m > 1.75; amaxes under 1e-12 (an
+// all-zero row) as 1e-12; NaN for inf.
+__device__ __forceinline__ float pow2_scale(uint32_t amax_bits) {
+  const uint32_t bits = __float_as_uint(fmaxf(__uint_as_float(amax_bits), 1e-12f));
+  const int e = (int)((bits >> 23) & 0xFF) - 127;
+  if (e == 128) return __uint_as_float(0x7FC00000u);
+  const int e_s = 8 - e - ((bits & 0x7FFFFFu) > 0x600000u ? 1 : 0);
+  return __uint_as_float((uint32_t)(e_s + 127) << 23);
+}
+
+// Two bf16 (a kept pair: low half first) times s, rounded to e4m3 (ties to even, as Triton's
+// conversion in compressed_to_e4m3: cvt.rn.satfinite), as two bytes, the low half's first.
+__device__ __forceinline__ uint32_t e4m3x2(uint32_t pair, float s) {
+  const float2 f = make_float2(bf16_to_float(pair & 0xFFFF) * s, bf16_to_float(pair >> 16) * s);
+  return (uint32_t)__nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3);
+}
+
 // kFromA24: the row pass reads the forward's compressed A24 (values + metadata) instead of Z, so the
 // FFN keeps 9/16 of Z's bytes for its backward; relu(z) comes back exactly (relu_from_a24) and the
 // kept positions are the forward's own.
@@ -131,7 +154,8 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
     const int* __restrict__ order,
     const int* __restrict__ slots, uint16_t* __restrict__ dzv, uint16_t* __restrict__ dzm, uint16_t* __restrict__ av,
     uint16_t* __restrict__ am, uint16_t* __restrict__ afull, uint16_t* __restrict__ gv, uint16_t* __restrict__ gm,
-    uint16_t* __restrict__ gfull, int T, int Tp, int F, int64_t stride_z, int64_t stride_da) {
+    uint16_t* __restrict__ gfull, const uint32_t* __restrict__ a_amax, float* __restrict__ a_scale, int T, int Tp,
+    int F, int64_t stride_z, int64_t stride_da) {
   // masked A24 and dZ tiles, [token][feature], for the token-dimension operands
   __shared__ __align__(16) uint16_t s_tile[2][kTok][kFeat];
 
@@ -231,6 +255,8 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
   uint16_t* val = w ? gv : av;
   uint16_t* meta = w ? gm : am;
   uint16_t* full = w ? gfull : afull;
+  // S(A24)^T in e4m3 (a_amax given, the a24 variant only): warp-uniform, as w is
+  const bool e4m3 = w == 0 && a_amax != nullptr;
   uint32_t nib[2][8];
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
@@ -258,6 +284,16 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
       nib[b][g] = sel.nibble();
       out[g] = sel.pair(x[0], x[1], x[2], x[3]);
     }
+    if (e4m3) {  // the row's scale from the forward's maximum (a dense feature's row is zeros: amax 0)
+      const float s = pow2_scale(slot >= 0 ? 0u : __ldg(a_amax + feat));
+      if (blockIdx.x == 0 && k == 0) a_scale[feat] = s;
+      uint8_t* row8 = reinterpret_cast<uint8_t*>(val) + feat * (Tp / 2) + (int64_t)kc * 16;  // 16 kept values
+      *reinterpret_cast<uint4*>(row8) = make_uint4(e4m3x2(out[0], s) | e4m3x2(out[1], s) << 16,
+                                                   e4m3x2(out[2], s) | e4m3x2(out[3], s) << 16,
+                                                   e4m3x2(out[4], s) | e4m3x2(out[5], s) << 16,
+                                                   e4m3x2(out[6], s) | e4m3x2(out[7], s) << 16);
+      continue;
+    }
     // lanes a and a ^ 1 write the two 16-byte halves of one 32-byte sector per store (ncu showed L2
     // throughput as the limit with each half its own request; faster at 7B): the even lane's row
     // first, then the odd's
@@ -273,6 +309,18 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
     *row_even = odd ? theirs : mine_lo;
     *row_odd = odd ? mine_hi : theirs;
   }
+  if (e4m3) {
+    // e4m3 metadata (layout.nibble_index_e4m3): a 64-row x 64-token tile owns 512 bytes, shared by
+    // this chunk kc and its neighbour; byte b | (kc & 1) << 1 | q << 2 | a << 4 | c << 7 holds the
+    // nibbles of groups 2q (low) and 2q + 1 of row 16c + 8b + a, so rows b = 0, 1 make one 16-bit word
+    uint8_t* tile8 = reinterpret_cast<uint8_t*>(meta) + ((int64_t)band * (Tp / 64) + (kc >> 1)) * 512;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t lo = nib[0][2 * q] | nib[0][2 * q + 1] << 4, hi = nib[1][2 * q] | nib[1][2 * q + 1] << 4;
+      *reinterpret_cast<uint16_t*>(tile8 + ((kc & 1) << 1 | q << 2 | a << 4 | c << 7)) = (uint16_t)(lo | hi << 8);
+    }
+    return;
+  }
   uint32_t words[4];
 #pragma unroll
   for (int m = 0; m < 4; ++m)
@@ -281,17 +329,21 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
   *reinterpret_cast<uint2*>(meta + word_index(tile, c, a, 0)) = make_uint2(words[0] | words[1] << 16, words[2] | words[3] << 16);
 }
 
-// The forward: A24 = 2:4(relu(Z)^2) compressed, and the kept non-zeros per feature. A block runs
-// `bands` 64-row bands of one 64-feature block, so the counts' atomics come once per bands x 64 rows.
+// The forward: A24 = 2:4(relu(Z)^2) compressed, the kept non-zeros per feature, and where amax is
+// given each feature's largest kept value (float32 bits, atomically maxed in). A block runs `bands`
+// 64-row bands of one 64-feature block, so the atomics come once per bands x 64 rows.
 __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
     const uint16_t* __restrict__ z, uint16_t* __restrict__ val, uint16_t* __restrict__ meta, int* __restrict__ counts,
-    int M, int Mp, int K, int64_t stride_z, int bands) {
+    uint32_t* __restrict__ amax, int M, int Mp, int K, int64_t stride_z, int bands) {
   __shared__ uint32_t s_counts[kThreads / 32][kFeat];
+  __shared__ uint32_t s_amax[kThreads / 32][kFeat];
   const RowLayout L(threadIdx.x);
   // feature blocks fastest: blocks running together read whole rows (5% faster than row groups fastest)
   const int fb = blockIdx.x % (K / kFeat), row_group = blockIdx.x / (K / kFeat);
   const int64_t col = (int64_t)fb * kFeat + 8 * L.o;
   uint32_t cnt[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // kept non-zeros of this thread's 8 features
+  // their largest kept values as bf16 bits: A24 >= +0 (relu(z)^2, NaN dropped), so the bits order as the values
+  uint32_t top[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int bi = 0; bi < bands; ++bi) {
     const int tok0 = (row_group * bands + bi) * kTok;
     if (tok0 >= Mp) break;  // the same for the whole block
@@ -324,6 +376,10 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
           cnt[4 * e + 1] += sel.k1 && ag[1];
           cnt[4 * e + 2] += sel.k2 && ag[2];
           cnt[4 * e + 3] += sel.k3 && ag[3];
+          top[4 * e] = max(top[4 * e], sel.k0 ? ag[0] : 0u);
+          top[4 * e + 1] = max(top[4 * e + 1], sel.k1 ? ag[1] : 0u);
+          top[4 * e + 2] = max(top[4 * e + 2], sel.k2 ? ag[2] : 0u);
+          top[4 * e + 3] = max(top[4 * e + 3], sel.k3 ? ag[3] : 0u);
         }
         *reinterpret_cast<uint2*>(val + (int64_t)(tok0 + L.row(j)) * (K / 2) + (int64_t)fb * (kFeat / 2) + 4 * L.o) =
             make_uint2(kept[0], kept[1]);
@@ -340,15 +396,22 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
   for (int i = 0; i < 8; ++i) {
     cnt[i] += __shfl_xor_sync(0xFFFFFFFFu, cnt[i], 8);
     cnt[i] += __shfl_xor_sync(0xFFFFFFFFu, cnt[i], 16);
+    top[i] = max(top[i], __shfl_xor_sync(0xFFFFFFFFu, top[i], 8));
+    top[i] = max(top[i], __shfl_xor_sync(0xFFFFFFFFu, top[i], 16));
   }
   if (lane < 8) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s_counts[warp][8 * lane + i] = cnt[i];
+    for (int i = 0; i < 8; ++i) {
+      s_counts[warp][8 * lane + i] = cnt[i];
+      s_amax[warp][8 * lane + i] = top[i];
+    }
   }
   __syncthreads();
   if (threadIdx.x < kFeat) {
     const uint32_t n = s_counts[0][threadIdx.x] + s_counts[1][threadIdx.x] + s_counts[2][threadIdx.x] + s_counts[3][threadIdx.x];
     if (n) atomicAdd(counts + (int64_t)fb * kFeat + threadIdx.x, (int)n);
+    const uint32_t m = max(max(s_amax[0][threadIdx.x], s_amax[1][threadIdx.x]), max(s_amax[2][threadIdx.x], s_amax[3][threadIdx.x]));
+    if (amax != nullptr && m) atomicMax(amax + (int64_t)fb * kFeat + threadIdx.x, m << 16);  // bf16 bits -> float32's
   }
 }
 
@@ -357,18 +420,20 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
 extern "C" {
 
 // Bumped whenever an exported signature changes; srelu24_kernels/srelu24/native.py checks it.
-int srelu24_kernels_abi_version() { return 3; }
+int srelu24_kernels_abi_version() { return 4; }
 
 // z: [M, K] bf16 (row stride in elements); val/meta: A24's compressed values and metadata ([Mp, K]
-// with Mp = M padded to 64: padding rows as zeros); counts: [K] int32, zeroed by the caller. K % 64 ==
+// with Mp = M padded to 64: padding rows as zeros); counts: [K] int32, zeroed by the caller; amax: null,
+// or [K] float32 zeroed by the caller, into which each feature's largest A24 value goes. K % 64 ==
 // 0, the row stride % 8 == 0, pointers 16-byte aligned. bands: 64-row bands per block (>= 1).
-int srelu24_sparsify(const void* z, void* val, void* meta, int* counts, int M, int Mp, int K, int64_t stride_z,
-                        int bands, cudaStream_t stream) {
+int srelu24_sparsify(const void* z, void* val, void* meta, int* counts, void* amax, int M, int Mp, int K,
+                     int64_t stride_z, int bands, cudaStream_t stream) {
   if (Mp == 0 || K == 0) return 0;
   const int n_bands = Mp / kTok;
   const dim3 grid((n_bands + bands - 1) / bands * (K / kFeat));
   srelu_sparsify_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint16_t*>(z), static_cast<uint16_t*>(val),
-                                                       static_cast<uint16_t*>(meta), counts, M, Mp, K, stride_z, bands);
+                                                       static_cast<uint16_t*>(meta), counts,
+                                                       static_cast<uint32_t*>(amax), M, Mp, K, stride_z, bands);
   return (int)cudaGetLastError();
 }
 
@@ -385,22 +450,27 @@ int srelu24_backward_operands(const void* z, const void* da, const int* order, c
       static_cast<const uint16_t*>(z), nullptr, static_cast<const uint16_t*>(da), order, slots,
       static_cast<uint16_t*>(dzv), static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av), static_cast<uint16_t*>(am),
       static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
-      static_cast<uint16_t*>(gfull), T, Tp, F, stride_z, stride_da);
+      static_cast<uint16_t*>(gfull), nullptr, nullptr, T, Tp, F, stride_z, stride_da);
   return (int)cudaGetLastError();
 }
 
 // The same pass reading the forward's compressed A24 instead of Z: a24v/a24m its values [Tr, F/2] and
 // metadata (srelu_sparsify's output for these T rows, Tr = T padded to 64); the rest as above. Equal to
 // the pass over Z bit for bit wherever every positive z is in [1.1e-19, 1.8e19] (bf16(z^2) normal).
+// a_amax: null, or srelu_sparsify's amax for the same rows: then av/am are S(A24)^T's e4m3 values and
+// metadata ([F, Tp] as compressed_to_e4m3 lays them out, Tp % 64 == 0) and a_scale [F] float32 gets
+// its row scales.
 int srelu24_backward_operands_a24(const void* a24v, const void* a24m, const void* da, const int* order, const int* slots,
                                void* dzv, void* dzm, void* av, void* am, void* afull, void* gv, void* gm, void* gfull,
-                               int T, int Tp, int Tr, int F, int64_t stride_da, cudaStream_t stream) {
+                               const void* a_amax, void* a_scale, int T, int Tp, int Tr, int F, int64_t stride_da,
+                               cudaStream_t stream) {
   if (Tr == 0 || F == 0) return 0;
   backward_operands_kernel<true><<<dim3(Tr / kTok, F / kFeat), kThreads, 0, stream>>>(
       static_cast<const uint16_t*>(a24v), static_cast<const uint16_t*>(a24m), static_cast<const uint16_t*>(da), order,
       slots, static_cast<uint16_t*>(dzv), static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av),
       static_cast<uint16_t*>(am), static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
-      static_cast<uint16_t*>(gfull), T, Tp, F, 0, stride_da);
+      static_cast<uint16_t*>(gfull), static_cast<const uint32_t*>(a_amax), static_cast<float*>(a_scale), T, Tp, F, 0,
+      stride_da);
   return (int)cudaGetLastError();
 }
 
