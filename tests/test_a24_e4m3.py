@@ -43,7 +43,7 @@ def test_bad_arguments_are_refused_anywhere():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, F_", [(64, 64), (200, 256), (1024, 8448)])
+@pytest.mark.parametrize("T, F_", [(64, 64), (200, 256), (1024, 8448), (16384, 8448)])  # the last: 8 bands a block
 def test_the_forward_takes_the_column_maxima_and_writes_the_same_a24(T, F_):
     _needs_kernels()
     z = _z(T, F_, T + F_)

@@ -28,7 +28,8 @@
 //                A24 and dZ tiles in shared memory.
 //   token pass   (backward) thread = 2 features {16c + a, 16c + 8 + a} x 32 tokens of one
 //                token-dimension operand: 4 whole metadata words, and 2 x 32 contiguous bytes of values
-//                (stored as whole 32-byte sectors together with the neighbouring lane).
+//                (stored as whole 32-byte sectors together with the neighbouring lane; in e4m3, 16 bytes a
+//                lane, the other half of the sector from the next chunk's warp).
 //
 // Build: make kernels (build/srelu24_kernels.so); loaded by srelu24_kernels/srelu24/native.py through ctypes.
 #include <cuda_bf16.h>
