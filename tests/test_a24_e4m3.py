@@ -42,6 +42,26 @@ def test_bad_arguments_are_refused_anywhere():
                                    a_amax=torch.zeros(64, dtype=torch.float64))
 
 
+def test_the_references_take_an_operand_already_in_e4m3():
+    """fp8_sparse's references (which GPU tests swap in for the e4m3 2:4 GEMMs) given compressed_to_e4m3's
+    values and scales in place of the bf16 buffer compute the same product (and dense rows)."""
+    from srelu24_kernels.cusparselt.layout import compress
+    from srelu24_kernels.srelu24.reference import mask_2to4
+    g = torch.Generator().manual_seed(3)
+    m, k, n = 128, 128, 96
+    a = (torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]).bfloat16()
+    buf = compress(a, mask_2to4(a))
+    b = torch.randn(k, n, generator=g)
+    a_e4m3 = fp8_sparse.compressed_to_e4m3(buf, m, k)
+    for t in (False, True):
+        want = fp8_sparse.sparse_mm_reference(buf, b, t)
+        assert torch.equal(fp8_sparse.sparse_mm_reference(None, b, t, a_e4m3=a_e4m3), want)
+    rows = torch.randn(5, k, generator=g).bfloat16()
+    want = fp8_sparse.sparse_and_dense_mm_reference(buf, rows, b, True, torch.float32)
+    got = fp8_sparse.sparse_and_dense_mm_reference(None, rows, b, True, torch.float32, a_e4m3=a_e4m3)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, F_", [(64, 64), (200, 256), (1024, 8448), (16384, 8448)])  # the last: 8 bands a block
 def test_the_forward_takes_the_column_maxima_and_writes_the_same_a24(T, F_):

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import gemm
-from ..cusparselt.layout import check_shape_e4m3, compressed_bytes_e4m3, decompress, empty_compressed
+from ..cusparselt.layout import check_shape_e4m3, compressed_bytes_e4m3, decompress, decompress_e4m3, empty_compressed
 from ..cusparselt.binding import cached_mm, searched_alg
 from .cast import (AMAX_FLOOR, columns_to_e4m3, columns_to_e4m3_reference, pow2_scale,  # noqa: F401 (AMAX_FLOOR: tests)
                        pow2_scale_triton, to_float8_bits)
@@ -309,11 +309,16 @@ def _dequantized(q: Tensor, s: Tensor) -> Tensor:
     return q.float() / s
 
 
-def sparse_mm_reference(buf: Tensor, b: Tensor, transpose_result: bool = False, b_e4m3=None) -> Tensor:
+def sparse_mm_reference(buf: Tensor | None, b: Tensor, transpose_result: bool = False, b_e4m3=None,
+                        a_e4m3=None) -> Tensor:
     """What sparse_mm computes, in fp32 on any device: the same e4m3 values, dequantized and multiplied.
-    b_e4m3 is not read: the reference converts b itself."""
-    m, k = buf.shape[0], b.shape[0]
-    a8, sa = rows_to_e4m3_reference(decompress(buf, m, k))
+    b_e4m3 is not read: the reference converts b itself. a_e4m3 (compressed_to_e4m3's values and row
+    scales, in place of buf): those values, dequantized."""
+    k = b.shape[0]
+    if a_e4m3 is not None:
+        a8, sa = decompress_e4m3(a_e4m3[0], a_e4m3[0].shape[0], k), a_e4m3[1]
+    else:
+        a8, sa = rows_to_e4m3_reference(decompress(buf, buf.shape[0], k))
     b8, sb = kmajor_e4m3_reference(b)
     y = _dequantized(a8, sa[:, None]) @ _dequantized(b8, sb[None, :])
     return (y.t().contiguous() if transpose_result else y).to(torch.bfloat16)
@@ -326,13 +331,14 @@ def dense_mm_reference(a: Tensor, b: Tensor) -> Tensor:
     return (_dequantized(a8, sa[:, None]) @ _dequantized(b8, sb[None, :])).to(torch.bfloat16)
 
 
-def sparse_and_dense_mm_reference(buf: Tensor, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
+def sparse_and_dense_mm_reference(buf: Tensor | None, dense_rows: Tensor | None, b: Tensor, transpose_result: bool = False,
                                   out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
-                                  accumulate_into: Tensor | None = None, b_e4m3=None) -> tuple[Tensor, Tensor | None]:
+                                  accumulate_into: Tensor | None = None, b_e4m3=None,
+                                  a_e4m3=None) -> tuple[Tensor, Tensor | None]:
     """What sparse_and_dense_mm computes: the product's bf16 widened to out_dtype, and with slots
     the dense rows written as its columns; with accumulate_into, that added into it. b_e4m3 is not
-    read: the reference converts b itself."""
-    y = sparse_mm_reference(buf, b, transpose_result).to(out_dtype)
+    read: the reference converts b itself; a_e4m3 as sparse_mm_reference's."""
+    y = sparse_mm_reference(buf, b, transpose_result, a_e4m3=a_e4m3).to(out_dtype)
     dense = None if dense_rows is None else dense_mm_reference(dense_rows, b)
     if slots is not None and dense is not None:
         if not transpose_result:
