@@ -327,6 +327,23 @@ def test_rank_other_than_0_exits_2_silently(monkeypatch, capsys):
         assert e.value.code == 2 and capsys.readouterr().err == printed
 
 
+def test_only_rank_0_removes_a_rejected_runs_directory(monkeypatch, tmp_path, capsys):
+    """The ranks share the run directory: one that removed it under another still setting up its
+    log file there made that one fail with a traceback instead of the one line."""
+    import training.cli
+    from training.cli import one_line_errors
+
+    monkeypatch.setattr(training.cli, "RANK_EXIT_DELAY_S", 0.0)
+    for rank, removed in (("1", False), ("0", True)):
+        run_dir = tmp_path / rank
+        (run_dir / ".hydra").mkdir(parents=True)
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as e, one_line_errors(run_dir, (ValueError,)):
+            raise ValueError("bad")
+        assert e.value.code == 2 and run_dir.exists() != removed
+    assert capsys.readouterr().err == "error: bad\n"
+
+
 def test_srelu24_whose_warmup_outlasts_the_run_is_warned_about(caplog):
     from training.config_checks import check_config
 

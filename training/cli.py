@@ -96,12 +96,15 @@ def hydra_only(run_dir: Path) -> bool:
 def one_line_errors(run_dir: Path, errors: tuple):
     """`errors` end the run with one line and exit 2; a run directory that holds only Hydra's own
     files is removed (a rejected run leaves nothing behind). The line also goes to train.log when
-    the directory stays."""
+    the directory stays. Under torchrun or SLURM only rank 0 removes it: every rank shares it, and a
+    rank that removed it while another was still opening its log file there crashed that one with a
+    traceback (rank 0's, before it printed its line, in a flaky test)."""
     try:
         yield
     except errors as e:
         if hydra_only(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)
+            if first_process():
+                shutil.rmtree(run_dir, ignore_errors=True)
         else:
             _to_log_file(f"error: {e}")
         fail(str(e))
