@@ -430,6 +430,7 @@ def bench(cfg, args, d) -> dict:
     if clocks is not None:  # a power-capped GPU: which variant lowers the clock for everything
         result["clocks"] = clocks.summary()
         result["sm_clock_mhz"], result["power_w"] = result["clocks"].get("sm_clock_mhz"), result["clocks"].get("power_w")
+        result["temp_c"] = result["clocks"].get("temp_c")  # a warmer chip leaks more: fewer MHz at the cap
         if "energy_j" in result["clocks"]:
             result["step_j"] = result["clocks"]["energy_j"] / args.steps
     if energy is not None:
@@ -799,7 +800,7 @@ def plot_kernels(result: Path) -> Path:
     return png
 
 
-ROUND_KEYS = ("tokens_per_s", "step_ms", "step_j", "sm_clock_mhz", "power_w")
+ROUND_KEYS = ("tokens_per_s", "step_ms", "step_j", "sm_clock_mhz", "power_w", "temp_c")
 
 
 def median_round(rows: list[dict]) -> dict:

@@ -80,6 +80,7 @@ def check_rounds_alternate_the_order_and_report_each_rows_median_round(tmp_path)
     for x in results:
         own = [m["tokens_per_s"] for m in measured if m["ffn"] == x["ffn"]]
         assert [rd["tokens_per_s"] for rd in x["rounds"]] == own  # every round, in the order run
+        assert all({"step_j", "sm_clock_mhz", "temp_c"} <= set(rd) for rd in x["rounds"])  # None without a GPU
         assert x["tokens_per_s"] == min(own)  # the median round's row: the lower middle one of two
     each = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(results[1]["rounds"], results[0]["rounds"])]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("srelu24 fp32 / swiglu fp32 in each of 2 rounds"))
