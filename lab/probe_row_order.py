@@ -8,10 +8,14 @@ srelu24 slow (benchmarks/RESULTS.md). This probe runs bench_step's own rows (scr
 stream's L2 access-policy window and the device's persisting-L2 limit (through the CUDA runtime
 torch loaded), memory reserved and held outside torch's allocator, and the number of cached
 cuSPARSELt plans. The row `reset` destroys srelu24's cached plans and searched ids and empties
-torch's cache, so that a dense row after it starts from a process that has no srelu24 state left.
+torch's cache (on an H100 it did not give srelu its speed back: benchmarks/RESULTS.md, "Which protocol
+measures the 1B ratio").
 
     python lab/probe_row_order.py +experiment=study_speed trainer.cuda_graph=true trainer.ffn_stats_every=25 \
         --rows srelu,srelu,srelu24,srelu,reset,srelu --accum 4 --warmup 3 --steps 5 --out order.json
+
+--profile N profiles N more steps of each row (bench_step's kernel table) and prints, for a variant
+that runs more than once, which kernels' time changed between its first row and each later one.
 """
 import argparse
 import ctypes
@@ -79,17 +83,40 @@ def reset_sparse_state() -> None:
         torch.cuda.empty_cache()
 
 
+def kernel_changes(records: list, top: int = 12) -> list[str]:
+    """For each variant profiled in more than one row: the kernels whose ms a step changed most
+    between its first row and each later one (bench_step's top_kernels tables)."""
+    out, first = [], {}
+    for r in records:
+        if "top_kernels" not in r:
+            continue
+        table = {name: (ms, n) for name, ms, n in r["top_kernels"]}
+        if r["ffn"] not in first:
+            first[r["ffn"]] = (r["row"], table)
+            continue
+        row0, base = first[r["ffn"]]
+        names = set(base) | set(table)
+        delta = sorted(names, key=lambda k: -abs(table.get(k, (0, 0))[0] - base.get(k, (0, 0))[0]))[:top]
+        out.append(f"{r['ffn']}: row {r['row']} against row {row0}, kernel busy "
+                   f"{r['kernel_busy_ms_per_step']:.1f} against {records[row0]['kernel_busy_ms_per_step']:.1f} ms a step")
+        for k in delta:
+            (a, na), (b, nb) = base.get(k, (0, 0)), table.get(k, (0, 0))
+            out.append(f"  {b - a:+8.3f} ms  ({a:.3f} x{na} -> {b:.3f} x{nb})  {k}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", required=True, help="comma-separated FFN variants, and `reset`")
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS", help="profile each row's kernels")
     ap.add_argument("--out", type=Path, default=Path("probe_row_order.json"))
     ap.add_argument("override", nargs="*")
     args = ap.parse_intermixed_args()
     row_args = argparse.Namespace(accum=args.accum, warmup=args.warmup, steps=args.steps, layers=0, tokens="random",
-                                  weights=None, weights_vocab=None, doc_len=1024, profile=0, profile_host=0,
+                                  weights=None, weights_vocab=None, doc_len=1024, profile=args.profile, profile_host=0,
                                   energy=0.0, density=None)
     rows = args.rows.split(",")
     cfgs = {v: bs.load_config(args.override + [f"ffn={v}"]) for v in dict.fromkeys(rows) if v != "reset"}
@@ -111,6 +138,8 @@ def main() -> int:
         print(f"{i} | {v} | {r['step_ms']:.1f} | {c.get('sm_clock_mhz')} | {c.get('power_w')} | "
               f"{r.get('step_j', float('nan')):.1f} | {c.get('temp_c')} | {json.dumps(state)}", flush=True)
     bs.shutdown(d)
+    for line in kernel_changes(records):
+        print(line)
     args.out.write_text(json.dumps({"argv": sys.argv, "environment": env, "rows": records}, indent=1))
     return 0
 
