@@ -44,7 +44,11 @@ round, so that the rows' places in the order vary. At the power cap one row's cl
 on what ran before it in the process (the 7B tensorwise srelu step cost 663 J after swiglu's and
 703 J after srelu24's); each row then reports its median round (the lower middle one for an even
 N), its JSON row keeps every round's tokens/s, step time, joules, clock and power, and each row's
-ratio to the fastest dense row is also given as the median of the rounds' own ratios.
+ratio to the fastest dense row is also given as the median of the rounds' own ratios. Rounds do
+not remove every order effect: a srelu24 row leaves the process in a state that slows a later
+dense row (1B float8, graphed: srelu 702 ms first, 734 ms after srelu24's row, 706 ms in a new
+process right after; benchmarks/RESULTS.md), so the medians favour srelu24. A training run holds one
+variant per process: compare each variant as its own command, or as a command's first row.
 
 --merge A.json B.json ... [--out merged.md | merged.json]: the rows of several records (a 7B
 sweep of nine rows takes more than one command) as one table with the same ratios and each row's
