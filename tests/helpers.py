@@ -205,12 +205,12 @@ def kernel_ffn(x, w1, w2, recipe, stats=None, float8: str = "none", sparse_float
     return ffn(x, w1, w2, OpOptions(recipe, float8, sparse_float8), stats)
 
 
-def forward_args(x, w1, w2, collect_stats: bool, options) -> tuple:
+def forward_args(x, w1, w2, collect_stats: bool, options, defer_unscaling: bool = False) -> tuple:
     """srelu24::ffn_forward's arguments for a call without a step's state."""
     from srelu24_kernels.srelu24.op import keeps_a24
 
     return (x, w1, w2, [], None, None, collect_stats, keeps_a24(x, w1, options.recipe.reuse_forward_mask),
-            *options.flags())
+            *options.flags(), defer_unscaling)
 
 
 def backward_args(dy, x, w1, w2, saved, counts, options) -> tuple:
@@ -218,4 +218,4 @@ def backward_args(dy, x, w1, w2, saved, counts, options) -> tuple:
     from srelu24_kernels.srelu24.op import keeps_a24
 
     return (dy, x, w1, w2, saved, counts, keeps_a24(x, w1, options.recipe.reuse_forward_mask), [], None, None,
-            None, None, None, *options.flags())
+            None, None, None, *options.flags(), False)

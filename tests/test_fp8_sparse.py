@@ -401,7 +401,7 @@ def _recorded_weight_dtypes(monkeypatch, w_dtype, float8: str, sparse_float8: bo
     def recording(x, w1, w2, *args):
         seen.append((x.dtype, w1.dtype, w2.dtype))
         return (x.new_zeros(x.shape[0], w2.shape[0]), x, x, x.new_empty(0, dtype=torch.float64),
-                x.new_empty(0, dtype=torch.uint8), x.new_empty(0), x.new_empty(0))
+                x.new_empty(0, dtype=torch.uint8), x.new_empty(0), x.new_empty(0), x.new_empty(0), x.new_empty(0))
 
     monkeypatch.setattr(K, "ffn_forward", recording)
     x = torch.randn(2, 8, 16)
@@ -437,7 +437,7 @@ def test_the_ops_fakes_take_fp32_weights_and_give_fp32_weight_gradients():
     o = K.OpOptions(SReLU24Recipe(False, 0.05, True), "rowwise")
     y, saved, counts, *_ = K.ffn_forward(*forward_args(x, w1, w2, False, o))
     assert y.dtype == saved.dtype == torch.bfloat16 and y.shape == (T, d)
-    dx, dw1, dw2 = K.ffn_backward(*backward_args(torch.empty_like(y), x, w1, w2, saved, counts, o))
+    dx, dw1, dw2, *_ = K.ffn_backward(*backward_args(torch.empty_like(y), x, w1, w2, saved, counts, o))
     assert dx.dtype == torch.bfloat16 and dw1.dtype == dw2.dtype == torch.float32
     assert dw1.shape == w1.shape and dw2.shape == w2.shape
     with pytest.raises(ValueError, match="bf16 or fp32 weights"):

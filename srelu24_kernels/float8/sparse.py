@@ -246,12 +246,18 @@ def usable(buf: Tensor, b: Tensor) -> bool:
             and buf.shape[0] % 64 == 0 and b.shape[0] % 64 == 0 and buf.numel() * 16 == buf.shape[0] * b.shape[0] * 9)
 
 
+def _scaled_product(buf: Tensor | None, b8: Tensor, sb: Tensor, transpose_result: bool,
+                    a_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(the e4m3 product as cuSPARSELt writes it, bf16, still scaled; its row scales; its column scales)."""
+    a8, sa = a_e4m3 if a_e4m3 is not None else compressed_to_e4m3(buf, buf.shape[0], b8.shape[0])
+    y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
+    return (y, sb, sa) if transpose_result else (y, sa, sb)  # transposed, y is (A B)^T: B's columns are its rows
+
+
 def _sparse_product(buf: Tensor | None, b8: Tensor, sb: Tensor, transpose_result: bool,
                     out_dtype: torch.dtype = torch.bfloat16, dense_columns=None, accumulate_into=None,
                     a_e4m3: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    a8, sa = a_e4m3 if a_e4m3 is not None else compressed_to_e4m3(buf, buf.shape[0], b8.shape[0])
-    y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
-    sr, sc = (sb, sa) if transpose_result else (sa, sb)  # transposed, y is (A B)^T: B's columns are its rows
+    y, sr, sc = _scaled_product(buf, b8, sb, transpose_result, a_e4m3)
     return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=dense_columns,
                    accumulate_into=accumulate_into)
 
@@ -262,6 +268,21 @@ def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False,
     in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as srelu24_kernels.srelu24.op.sparse_mm.
     b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's, kept for an optimizer step: srelu24_kernels/srelu24/options.py)."""
     return _sparse_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), transpose_result)
+
+
+def scaled_sparse_mm(buf: Tensor, b: Tensor, b_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """sparse_mm(buf, b) before its unscaling pass: (y, row scales, column scales), y bf16 [m, n]
+    such that sparse_mm's product is `unscaled(y, row_scale, col_scale)`. For a caller that does
+    the unscaling inside a compiled graph, where it fuses into the product's consumer (the residual
+    add, the norm's backward: srelu24_kernels/srelu24/op.py) instead of a pass of its own."""
+    return _scaled_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), False)
+
+
+def unscaled(y: Tensor, row_scale: Tensor, col_scale: Tensor) -> Tensor:
+    """unscale_'s result in plain torch ops (not in place), for torch.compile to fuse into what reads
+    it. The same bits as unscale_: the scales are powers of 2, so each division is exact, as the
+    product's bf16 value divided by them is again a bf16 (below 2^-126 excepted)."""
+    return (y.float() / row_scale[:, None] / col_scale[None, :]).to(y.dtype)
 
 
 def dense_mm(a: Tensor, b8: Tensor, sb: Tensor) -> Tensor:

@@ -33,6 +33,9 @@ The backward's modes, and who sets them:
                                   (_pairs_token_casts)                      passes over X in the forward, which
                                                                             keeps the second instead of X; dA's A
                                                                             and dW2's B likewise from dY
+    Y, dX left scaled             a compiled graph (ffn asks), e4m3         the unscaling of Y and dX as torch ops
+                                  2:4 GEMMs (_defers_unscaling)             after the op, fused by Inductor into the
+                                                                            residual add and the norm's backward
     gradients added into .grad    StepState (training/step.py)              dW1, dW2 added into the given buffers
     S(A24)^T written in e4m3      A24 kept, e4m3, an unlogged step,         the forward's sparsify pass takes A24's
                                   tokens a multiple of 64                   column maxima, from which the backward's
@@ -152,12 +155,16 @@ def _weight_grad_mm(a, dense_rows: Optional[Tensor], b: Tensor, e4m3: bool, out_
 def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w1: Optional[Tensor],
                 grad_w2: Optional[Tensor], collect_stats: bool, keep_a24: bool, token_permutation: bool,
                 dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
-                sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                sparse_float8: bool, defer_unscaling: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d]; A24 [padded(T, 64), 9F/16] if keep_a24 else Z [T, F], for the backward;
     kept non-zeros per feature [F] int32; the statistics row [N_SUMS] float64, empty unless
     collect_stats; X's e4m3 cast for dW1 [d, T] (its bytes, uint8) and its column scales [d] where
     _pairs_token_casts (the backward keeps these instead of X), else empty; A24's column maxima [F]
-    float32 where _fuses_a24_cast, else empty). weights:
+    float32 where _fuses_a24_cast, else empty; Y's row [T] and column [d] scales where
+    _defers_unscaling (Y is then still scaled: fp8_sparse.unscaled(Y, *scales) is the product),
+    else empty). defer_unscaling: asked by the caller inside a compiled graph, where the
+    unscaling fuses into the residual add (ffn). weights:
     WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the buffers it adds into),
     taken here so that autograd hands them to it. keep_a24: `keeps_a24`,
     asked by the caller: an argument is part of a compiled graph and so of Inductor's on-disk
@@ -179,29 +186,38 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
     amax = torch.zeros(w1.shape[0], dtype=torch.float32, device=x.device) if _fuses_a24_cast(
         T, w1.shape[0], o, x.device, keep_a24, collect_stats) else None
     buf, counts = srelu_sparsify_2to4(z, totals=totals, amax=amax)
-    y = _sparse_mm(buf, w2.t(), o.e4m3, converted=kept and kept.for_y)[:T]
+    if _defers_unscaling(buf, w2.t(), o, defer_unscaling):
+        y, y_rows, y_cols = fp8_sparse.scaled_sparse_mm(buf, w2.t(), b_e4m3=kept and kept.for_y)
+        y, y_rows = y[:T], y_rows[:T]
+        y_cols = y_cols.clone() if kept else y_cols  # a kept conversion's is an input: an output may not alias it
+    else:
+        y = _sparse_mm(buf, w2.t(), o.e4m3, converted=kept and kept.for_y)[:T]
+        y_rows, y_cols = x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)
     row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))  # no launch on the hot path
     # the cast's bytes as uint8: an integer output, which autograd gives no gradient (float8 ones it would try to)
     x_cols, x_scale = ((for_dw1[0].view(torch.uint8), for_dw1[1]) if for_dw1 is not None
                        else (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32)))
     return (y, buf if keep_a24 else z, counts, row, x_cols, x_scale,
-            amax if amax is not None else x.new_empty(0, dtype=torch.float32))
+            amax if amax is not None else x.new_empty(0, dtype=torch.float32), y_rows, y_cols)
 
 
 @ffn_forward.register_fake
 def _(x, w1, w2, weights, grad_w1, grad_w2, collect_stats, keep_a24, token_permutation, dense_feature_fraction,
-      reuse_forward_mask, float8, sparse_float8):
+      reuse_forward_mask, float8, sparse_float8, defer_unscaling):
     _check_dtypes("ffn_forward", w1, w2, x=x)
     T, F_ = x.shape[0], w1.shape[0]
     saved = x.new_empty(padded(T, ROWS_PER_BAND), F_ * 9 // 16) if keep_a24 else x.new_empty(T, F_)
     o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
     d, paired = x.shape[1], _pairs_token_casts(T, F_, o, x.device)
     fused = _fuses_a24_cast(T, F_, o, x.device, keep_a24, collect_stats)
+    deferred = _defers_unscaling(_compressed_like(x, F_), w2.t(), o, defer_unscaling)
     return (x.new_empty(T, w2.shape[0]), saved, x.new_empty(F_, dtype=torch.int32),
             x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64),
             x.new_empty((d, T) if paired else 0, dtype=torch.uint8), x.new_empty(d if paired else 0, dtype=torch.float32),
-            x.new_empty(F_ if fused else 0, dtype=torch.float32))
+            x.new_empty(F_ if fused else 0, dtype=torch.float32),
+            x.new_empty(T if deferred else 0, dtype=torch.float32),
+            x.new_empty(w2.shape[0] if deferred else 0, dtype=torch.float32))
 
 
 # ------------------------------------------------------------------ backward
@@ -220,16 +236,20 @@ def _sparse_operands(saved: Tensor, saved_a24: bool, da: Tensor, perm, dense, sl
 
 
 def _input_grad(ops: _SparseOperands, saved: Tensor, da: Tensor, w1: Tensor, perm, T: int, o: OpOptions,
-                kept: Optional[WeightOperands]) -> Tensor:
-    """dX = dZ W1 in token order."""
+                kept: Optional[WeightOperands], deferred: bool = False) -> tuple[Tensor, Optional[tuple]]:
+    """(dX = dZ W1 in token order, None); deferred (_defers_unscaling, for the backward): (dX still
+    scaled, its row and column scales)."""
+    if deferred:
+        dx, rows, cols = fp8_sparse.scaled_sparse_mm(ops.dz, w1, b_e4m3=kept and kept.for_dx)
+        return dx[:T], (rows[:T], cols.clone() if kept else cols)  # a kept conversion's is an input: not aliased
     if not o.recipe.reuse_forward_mask:  # dZ is not 2:4 then: a dense GEMM (the ablation), from Z
-        return (da * (2 * F.relu(saved))) @ w1.to(torch.bfloat16)
+        return (da * (2 * F.relu(saved))) @ w1.to(torch.bfloat16), None
     dx = _sparse_mm(ops.dz, w1, o.e4m3, converted=kept and kept.for_dx)[:T]
     if perm is not None:  # back to token order: a gather by the inverse (a scatter is slower)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(T, device=perm.device, dtype=perm.dtype)
         dx = dx.index_select(0, inverse)
-    return dx
+    return dx, None
 
 
 def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Optional[Tensor], perm, dense, slots, w1: Tensor, w2: Tensor,
@@ -277,6 +297,24 @@ def _fuses_a24_cast(T: int, F_: int, o: OpOptions, device, keep_a24: bool, colle
             and fp8_sparse.available(device))
 
 
+def _defers_unscaling(a: Tensor, b: Tensor, o: OpOptions, asked: bool, backward: bool = False) -> bool:
+    """Whether Y = A24 W2^T (or, backward, dX = dZ W1) leaves the op still scaled, with its row and
+    column scales: where the caller asked (inside a compiled graph: `ffn`) and that product is an
+    e4m3 2:4 GEMM (fp8_sparse.usable of its compressed A and its B: an sm90 GPU, F a multiple of 64).
+    The unscaling, fp8_sparse.unscaled in torch ops, then fuses into the residual add that reads Y and
+    the norm's backward that reads dX, instead of a pass over each (read and write [T, d] in bf16).
+    dX also needs dZ 2:4 (reuse_forward_mask) and no token order drawn by the op (its rows gathered
+    back). The fakes ask with stand-ins for A of its shape."""
+    if backward and not (o.recipe.reuse_forward_mask and not o.recipe.token_permutation):
+        return False
+    return asked and o.e4m3 and fp8_sparse.usable(a, b)
+
+
+def _compressed_like(x: Tensor, F_: int) -> Tensor:
+    """A stand-in (for a fake) for the compressed 2:4 buffer of a [T, F] operand: its shape and dtype, x's device."""
+    return x.new_empty(padded(x.shape[0], ROWS_PER_BAND), F_ * 9 // 16, dtype=torch.bfloat16)
+
+
 def _input_casts(x: Tensor, F_: int, o: OpOptions) -> tuple[Optional[tuple], Optional[tuple]]:
     """(Z = X W1^T's A: e4m3 scaled as a whole, as fp8_gemm.a_operand; dW1's B: e4m3 per column,
     K-major, as fp8_sparse.kmajor_e4m3 — its values [d, T] and scales, which the forward returns
@@ -303,8 +341,10 @@ def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved:
                  saved_a24: bool, weights: list[Tensor], grad_w1: Optional[Tensor], grad_w2: Optional[Tensor],
                  x_cols: Optional[Tensor], x_scale: Optional[Tensor], a24_amax: Optional[Tensor],
                  token_permutation: bool, dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
-                 sparse_float8: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dX in bf16, dW1, dW2 in their weights' dtypes). saved: the forward's A24 (saved_a24) or Z.
+                 sparse_float8: bool, defer_unscaling: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dX in bf16, dW1, dW2 in their weights' dtypes, dX's row [T] and column [d] scales where
+    _defers_unscaling(backward=True), else empty: dX is then still scaled, as the forward's Y).
+    saved: the forward's A24 (saved_a24) or Z.
     grad_w1, grad_w2 (both or neither; fp32, contiguous, the weights' shapes): dW1 and dW2 are
     added into them, and come back empty. x_cols, x_scale: X's cast for dW1 that the forward made
     (its fifth and sixth outputs, where not empty: e4m3 bytes as uint8), in place of x (None then).
@@ -326,20 +366,27 @@ def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved:
     if a24_amax is not None and not saved_a24:
         raise ValueError("srelu24::ffn_backward: A24's column maxima come with A24 saved (saved_a24)")
     ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask, a24_amax)
-    dx = _input_grad(ops, saved, da, w1, perm, T, o, kept)
+    dx, dx_scales = _input_grad(ops, saved, da, w1, perm, T, o, kept,
+                                _defers_unscaling(ops.dz, w1, o, defer_unscaling, backward=True))
+    dx_rows, dx_cols = dx_scales or (dx.new_empty(0, dtype=torch.float32), dx.new_empty(0, dtype=torch.float32))
     dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy_for_dw2,
                              None if x_cols is None else (x_cols.view(fp8_paired.E4M3).t(), x_scale))
     if grads is not None:
-        return dx.contiguous(), dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
-    return dx.contiguous(), dw1.contiguous(), dw2
+        return dx.contiguous(), dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype), dx_rows, dx_cols
+    return dx.contiguous(), dw1.contiguous(), dw2, dx_rows, dx_cols
 
 
 @ffn_backward.register_fake
-def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, x_cols, x_scale, a24_amax, *flags):
+def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, x_cols, x_scale, a24_amax,
+      token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8, defer_unscaling):
     dx = torch.empty_like(dy, dtype=torch.bfloat16)  # X's shape
+    o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
+    deferred = _defers_unscaling(_compressed_like(dy, w1.shape[0]), w1, o, defer_unscaling, backward=True)
+    scales = (dx.new_empty(dx.shape[0] if deferred else 0, dtype=torch.float32),
+              dx.new_empty(dx.shape[1] if deferred else 0, dtype=torch.float32))
     if grad_w1 is not None and grad_w2 is not None:
-        return dx, dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype)
-    return dx, torch.empty_like(w1), torch.empty_like(w2)
+        return dx, dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype), *scales
+    return dx, torch.empty_like(w1), torch.empty_like(w2), *scales
 
 
 def _setup_context(ctx, inputs, output):
@@ -349,7 +396,7 @@ def _setup_context(ctx, inputs, output):
     # weights that want no gradient take the plain path: adding would give them a .grad
     ctx.in_place = g1 is not None and g2 is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
     ctx.n_weights = len(weights)
-    _, saved, counts, _, x_cols, x_scale, a24_amax = output
+    _, saved, counts, _, x_cols, x_scale, a24_amax, _, _ = output
     # X's cast for dW1 where the forward made it (1 byte an element, its scales), else X (2 bytes)
     ctx.x_paired = x_cols.numel() > 0
     xs = (x_cols, x_scale) if ctx.x_paired else (x,)
@@ -373,8 +420,10 @@ def _backward(ctx, dy, *unused):  # only Y carries a gradient
     w1, w2, saved, counts, *rest = tensors[n:]
     a24_amax, rest = (rest[0], rest[1:]) if ctx.a24_amax else (None, rest)
     weights, grads = rest[:ctx.n_weights], rest[ctx.n_weights:] or (None, None)
-    dx, dw1, dw2 = ffn_backward(dy, x, w1, w2, saved, counts, ctx.saved_a24, weights, *grads, x_cols, x_scale,
-                                a24_amax, *ctx.flags)
+    dx, dw1, dw2, dx_rows, dx_cols = ffn_backward(dy, x, w1, w2, saved, counts, ctx.saved_a24, weights, *grads,
+                                                  x_cols, x_scale, a24_amax, *ctx.flags)
+    if dx_rows.numel():  # traced into the compiled backward, where it fuses into the norm's backward
+        dx = fp8_sparse.unscaled(dx, dx_rows, dx_cols)
     if ctx.in_place:  # already in the buffers: autograd accumulates nothing for W1, W2
         dw1 = dw2 = None
     return (dx, dw1, dw2) + no_grads
@@ -384,6 +433,19 @@ ffn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------ entry
+
+class _Unscaled(torch.autograd.Function):
+    """Y from the op's still-scaled product (fp8_sparse.unscaled), its gradient passed on as it
+    is: the op's backward takes dL/dY, whatever Y's scaling was."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+        return fp8_sparse.unscaled(y, rows, cols)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        return dy, None, None
+
 
 def _op_weight(w: Tensor, e4m3: bool) -> Tensor:
     """w as the op takes it: in e4m3 mode an fp32 w as it is (the op's conversions read fp32, its bf16
@@ -402,9 +464,13 @@ def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), sta
     kept = step.weights.flat() if step is not None and step.weights is not None else []
     g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
     keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)  # decided here: a constant of the compiled graph
-    y, _, _, row, _, _, _ = ffn_forward(x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3),
-                                     _op_weight(w2, options.e4m3), kept, g1, g2, stats is not None, keep,
-                                     *options.flags(tokens_permuted))
+    # compiled: Y and dX leave the op still scaled, their unscaling fused into what reads them
+    defer = options.e4m3 and torch.compiler.is_compiling()
+    y, _, _, row, _, _, _, y_rows, y_cols = ffn_forward(
+        x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3), _op_weight(w2, options.e4m3), kept,
+        g1, g2, stats is not None, keep, *options.flags(tokens_permuted), defer)
+    if y_rows.numel():
+        y = _Unscaled.apply(y, y_rows, y_cols)
     if stats is not None:
         stats += row.detach()  # the op's float outputs all carry autograd history; the buffer must not
     return y.reshape(*shape[:-1], y.shape[-1])

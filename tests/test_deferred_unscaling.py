@@ -1,0 +1,165 @@
+"""srelu24's op inside a compiled graph hands Y and dX out still scaled (op._defers_unscaling), and
+the unscaling runs as torch ops that Inductor fuses into their readers: the same bits as the op's own
+unscaling pass, eager."""
+import pytest
+import torch
+
+from srelu24_kernels.float8 import sparse as fp8_sparse
+from srelu24_kernels.srelu24.options import OpOptions
+from srelu24_kernels.srelu24.reference import SReLU24Recipe
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _pow2_scales(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's kernel on CPU tensors (the GPU test below "
+                    "covers the GPU's)")
+def test_unscaled_in_torch_ops_is_the_unscaling_kernel_bit_for_bit():
+    """Fresh random products, power-of-2 scales (a NaN among them, as a NaN row gives): the torch
+    expression and the Triton pass write the same bf16 bits."""
+    for seed, (m, n) in enumerate([(64, 128), (100, 48), (1, 3)]):
+        g = torch.Generator().manual_seed(seed)
+        y = (torch.randn(m, n, generator=g) * 2.0 ** torch.randint(-30, 30, (m, 1), generator=g)).bfloat16()
+        rows, cols = _pow2_scales(m, seed + 10), _pow2_scales(n, seed + 20)
+        rows[0] = float("nan")
+        want = fp8_sparse.unscale_(y.clone(), row_scale=rows, col_scale=cols)
+        got = fp8_sparse.unscaled(y, rows, cols)
+        assert torch.equal(_bits(got)[1:], _bits(want)[1:]) and got[0].isnan().all() and want[0].isnan().all()
+
+
+def test_the_op_defers_where_asked_and_its_products_are_e4m3(monkeypatch):
+    """op._defers_unscaling: asked (compiled), e4m3 2:4 GEMMs that fp8_sparse.usable takes (granted
+    here, on fake-shaped stand-ins), and for dX a 2:4 dZ in the tokens' own order."""
+    import srelu24_kernels.srelu24.op as K
+    monkeypatch.setattr(fp8_sparse, "usable", lambda a, b: a.shape[1] * 16 == b.shape[0] * 9)
+    a, b = K._compressed_like(torch.empty(100, 8), 256), torch.empty(256, 64)
+    assert a.shape == (128, 144) and a.dtype == torch.bfloat16  # the rows padded to 64
+    tensorwise = OpOptions(SReLU24Recipe(token_permutation=False), "tensorwise", True)
+    assert K._defers_unscaling(a, b, tensorwise, True) and K._defers_unscaling(a, b, tensorwise, True, True)
+    assert not K._defers_unscaling(a, b, tensorwise, False)                                         # not asked (eager)
+    assert not K._defers_unscaling(a, b[:192], tensorwise, True)                                    # not usable
+    assert not K._defers_unscaling(a, b, OpOptions(SReLU24Recipe(), "tensorwise", False), True)     # bf16 2:4 GEMMs
+    assert not K._defers_unscaling(a, b, OpOptions(SReLU24Recipe(), "none"), True)
+    rowwise = OpOptions(SReLU24Recipe(token_permutation=False), "rowwise", True)
+    assert K._defers_unscaling(a, b, rowwise, True, backward=True)
+    drawn = OpOptions(SReLU24Recipe(token_permutation=True), "tensorwise", True)  # the op gathers dX's rows back
+    assert K._defers_unscaling(a, b, drawn, True) and not K._defers_unscaling(a, b, drawn, True, True)
+    dense_dx = OpOptions(SReLU24Recipe(False, 0.05, reuse_forward_mask=False), "tensorwise", True)
+    assert K._defers_unscaling(a, b, dense_dx, True) and not K._defers_unscaling(a, b, dense_dx, True, True)
+    monkeypatch.undo()
+    assert not K._defers_unscaling(a, b, tensorwise, True)  # CPU tensors: fp8_sparse.usable says no
+
+
+def _scaled_stand_in(monkeypatch) -> list:
+    """fp8_sparse.scaled_sparse_mm on the CPU: the e4m3 reference product times power-of-2 row and
+    column scales, as cuSPARSELt's product comes out before its unscaling. Records its calls."""
+    from test_paired_casts import _e4m3_sparse_stand_in
+
+    _e4m3_sparse_stand_in(monkeypatch)
+    calls = []
+
+    def scaled_sparse_mm(buf, b, b_e4m3=None):
+        b = b if b_e4m3 is None else b_e4m3[0].float() / b_e4m3[1][None, :]
+        y = fp8_sparse.sparse_mm_reference(buf, b)
+        rows, cols = _pow2_scales(y.shape[0], 1), _pow2_scales(y.shape[1], 2)  # the same for the same shapes
+        calls.append(tuple(y.shape))
+        return (y.float() * rows[:, None] * cols[None, :]).bfloat16(), rows, cols
+
+    monkeypatch.setattr(fp8_sparse, "scaled_sparse_mm", scaled_sparse_mm)
+    return calls
+
+
+def _runs(ffn, x, w1, w2, dy) -> list:
+    for t in (x, w1, w2):
+        t.grad = None
+    y = ffn(x, w1, w2)
+    y.backward(dy)
+    return [y.detach().clone()] + [t.grad.clone() for t in (x, w1, w2)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: on a GPU machine the granted sm90 kernels would "
+                    "launch on CPU tensors (the GPU test below covers the op there)")
+def test_compiled_the_op_defers_y_and_dx_and_gives_eagers_bits(monkeypatch):
+    """The tensorwise op on the CPU (cuSPARSELt stood in for, the e4m3 2:4 GEMMs by their references,
+    the sm90 conversions granted), compiled in one graph: its forward and backward each hand out a
+    still-scaled product, and Y, dX, dW1, dW2 are eager's bit for bit."""
+    from helpers import cpu_scaled_mm_runs, kernel_ffn
+    from test_kernels import _cslt_stand_in
+    if not cpu_scaled_mm_runs("tensorwise"):
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm does not run tensorwise")
+    _cslt_stand_in(monkeypatch)
+    calls = _scaled_stand_in(monkeypatch)
+    monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(128, 64, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
+    w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
+    dy = torch.randn(128, 64, generator=g).bfloat16()
+
+    def ffn(xx, a, b):
+        return kernel_ffn(xx, a, b, SReLU24Recipe(token_permutation=False), float8="tensorwise")
+
+    want = _runs(ffn, x, w1, w2, dy)
+    assert calls == []  # eager: the op unscales itself
+    torch._dynamo.reset()
+    got = _runs(torch.compile(ffn, backend="aot_eager", fullgraph=True), x, w1, w2, dy)
+    assert calls == [(128, 64), (128, 64)]  # Y's product in the forward, dX's in the backward
+    for what, a, b in zip(("Y", "dX", "dW1", "dW2"), got, want):
+        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), what
+
+
+def test_the_ops_schema_and_fakes_with_deferred_products(monkeypatch):
+    """opcheck of the forward asked to defer (its fake's two scale outputs), on the CPU path."""
+    from helpers import cpu_scaled_mm_runs, forward_args
+    from test_kernels import _cslt_stand_in
+    import srelu24_kernels.srelu24.op as K
+    if torch.cuda.is_available() or not cpu_scaled_mm_runs("tensorwise"):
+        pytest.skip("the CPU path with the CPU's tensorwise _scaled_mm")
+    _cslt_stand_in(monkeypatch)
+    _scaled_stand_in(monkeypatch)
+    monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(128, 64, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
+    w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
+    o = OpOptions(SReLU24Recipe(token_permutation=False), "tensorwise", True)
+    args = forward_args(x, w1, w2, False, o, defer_unscaling=True)
+    out = K.ffn_forward(*args)
+    assert out[7].shape == (128,) and out[8].shape == (64,)
+    torch.library.opcheck(K.ffn_forward, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_inductor_fuses_the_unscaling_with_eagers_bits_on_the_gpu(monkeypatch, weights_dtype):
+    """The tensorwise e4m3 op at the 1B FFN's width, fresh random inputs, compiled by Inductor with a
+    residual add after it (where the trainer's block fuses Y's unscaling): Y + x, dX, dW1, dW2 the
+    same bits as eager, where the op's own Triton pass unscales; and the compiled op deferred."""
+    from helpers import kernel_ffn
+    if not fp8_sparse.available("cuda"):
+        pytest.skip("needs an sm90 GPU with cuSPARSELt's e4m3 kernels")
+    calls, real = [], fp8_sparse.scaled_sparse_mm
+    monkeypatch.setattr(fp8_sparse, "scaled_sparse_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(23)
+    T, d, f = 1024, 2048, 8448
+    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(f, d, device="cuda") * d ** -0.5).to(weights_dtype).requires_grad_()
+    w2 = (torch.randn(d, f, device="cuda") * f ** -0.5).to(weights_dtype).requires_grad_()
+    dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+
+    def block(xx, a, b):
+        return xx + kernel_ffn(xx, a, b, SReLU24Recipe(token_permutation=False), float8="tensorwise")
+
+    want = _runs(block, x, w1, w2, dy)
+    assert calls == []
+    torch._dynamo.reset()
+    got = _runs(torch.compile(block, fullgraph=True), x, w1, w2, dy)
+    assert len(calls) == 2
+    for what, a, b in zip(("x + Y", "dX", "dW1", "dW2"), got, want):
+        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), what
