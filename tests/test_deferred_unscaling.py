@@ -141,7 +141,7 @@ def test_inductor_fuses_the_unscaling_with_eagers_bits_on_the_gpu(monkeypatch, w
     """The tensorwise e4m3 op at the 1B FFN's width, fresh random inputs, compiled by Inductor with a
     residual add after it (where the trainer's block fuses Y's unscaling): Y + x, dX, dW1, dW2 the
     same bits as eager, where the op's own Triton pass unscales; and the compiled op deferred."""
-    from helpers import kernel_ffn
+    from srelu24_kernels.srelu24.op import ffn
     if not fp8_sparse.available("cuda"):
         pytest.skip("needs an sm90 GPU with cuSPARSELt's e4m3 kernels")
     calls, real = [], fp8_sparse.scaled_sparse_mm
@@ -153,8 +153,10 @@ def test_inductor_fuses_the_unscaling_with_eagers_bits_on_the_gpu(monkeypatch, w
     w2 = (torch.randn(d, f, device="cuda") * f ** -0.5).to(weights_dtype).requires_grad_()
     dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
 
+    options = OpOptions(SReLU24Recipe(token_permutation=False), "tensorwise", True)  # torch 2.11's dynamo builds none
+
     def block(xx, a, b):
-        return xx + kernel_ffn(xx, a, b, SReLU24Recipe(token_permutation=False), float8="tensorwise")
+        return xx + ffn(xx, a, b, options)
 
     want = _runs(block, x, w1, w2, dy)
     assert calls == []
