@@ -165,3 +165,52 @@ def test_inductor_fuses_the_unscaling_with_eagers_bits_on_the_gpu(monkeypatch, w
     assert len(calls) == 2
     for what, a, b in zip(("x + Y", "dX", "dW1", "dW2"), got, want):
         assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), what
+
+
+def test_whether_a24_is_kept_is_a_constant_to_torch_compile(monkeypatch):
+    """a24_usable asks the CUDA library, whose first load (os.path.exists, ctypes) dynamo cannot
+    trace: traced, it broke every compiled block at the FFN (and nothing around the op fused).
+    Compiled whole (fullgraph) with that load still to come, it is called, not traced."""
+    import os
+
+    from srelu24_kernels.srelu24.native import NativeLibrary
+    from srelu24_kernels.srelu24.sparsify_backward import a24_usable
+
+    looked = []
+    monkeypatch.setattr(NativeLibrary, "available",
+                        lambda self, device=None, majors=(9,): looked.append(1) or not os.path.exists("/nonexistent"))
+
+    def f(x):
+        return x + 1 if a24_usable(torch.device("cuda", 0), 128, True) else x - 1
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2)), torch.full((2,), 2.0))
+    assert looked == [1]
+
+
+@pytest.mark.gpu
+def test_the_block_compiles_in_one_graph_before_the_kernels_load():
+    """A transformer block with srelu24 in its 2:4 phase (float8 tensorwise, tokens permuted by the
+    block), compiled as the trainer compiles it, in a process where the CUDA library has not yet
+    been loaded: one graph (fullgraph), forward and backward."""
+    from model.config import FFNConfig, ModelConfig
+    from model.transformer import Block, rope_tables
+    from srelu24_kernels.srelu24.native import KERNELS
+    from srelu24_kernels.srelu24.reference import random_token_orders
+
+    if not fp8_sparse.available("cuda"):
+        pytest.skip("needs an sm90 GPU with cuSPARSELt's e4m3 kernels")
+    torch.manual_seed(24)
+    cfg = ModelConfig(dim=256, n_layers=2, n_heads=2, max_seq_len=256)
+    block = Block(cfg, FFNConfig(kind="srelu24", hidden_dim=1024), "tensorwise").cuda()
+    block.feed_forward.set_2to4(True)
+    x = torch.randn(2, 256, 256, device="cuda", requires_grad=True)
+    cos, sin = (t.cuda() for t in rope_tables(128, 256, 10000.0))
+    order = random_token_orders(512, 1, "cuda")[0]
+    KERNELS.loaded.clear()  # as in a fresh process whose first use of the library is traced
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = compiled(x, cos, sin, token_order=order)
+    y.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all() and block.feed_forward.w1.weight.grad is not None
