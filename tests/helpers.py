@@ -213,9 +213,9 @@ def forward_args(x, w1, w2, collect_stats: bool, options, defer_unscaling: bool 
             *options.flags(), defer_unscaling)
 
 
-def backward_args(dy, x, w1, w2, saved, counts, options) -> tuple:
+def backward_args(dy, x, w1, w2, saved, counts, options, defer_unscaling: bool = False) -> tuple:
     """srelu24::ffn_backward's arguments for a forward's outputs, without a step's state."""
     from srelu24_kernels.srelu24.op import keeps_a24
 
     return (dy, x, w1, w2, saved, counts, keeps_a24(x, w1, options.recipe.reuse_forward_mask), [], None, None,
-            None, None, None, *options.flags(), False)
+            None, None, None, *options.flags(), defer_unscaling)

@@ -67,7 +67,9 @@ def _scaled_stand_in(monkeypatch) -> list:
     def scaled_sparse_mm(buf, b, b_e4m3=None):
         b = b if b_e4m3 is None else b_e4m3[0].float() / b_e4m3[1][None, :]
         y = fp8_sparse.sparse_mm_reference(buf, b)
-        rows, cols = _pow2_scales(y.shape[0], 1), _pow2_scales(y.shape[1], 2)  # the same for the same shapes
+        # seeded by B (W2^T for Y, W1 for dX: other scales, so that a mix-up shows), the same for the same B
+        seed = int(b.float().abs().sum().item() * 1000) % 2**31
+        rows, cols = _pow2_scales(y.shape[0], seed), _pow2_scales(y.shape[1], seed + 1)
         calls.append(tuple(y.shape))
         return (y.float() * rows[:, None] * cols[None, :]).bfloat16(), rows, cols
 
@@ -85,38 +87,58 @@ def _runs(ffn, x, w1, w2, dy) -> list:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: on a GPU machine the granted sm90 kernels would "
                     "launch on CPU tensors (the GPU test below covers the op there)")
-def test_compiled_the_op_defers_y_and_dx_and_gives_eagers_bits(monkeypatch):
-    """The tensorwise op on the CPU (cuSPARSELt stood in for, the e4m3 2:4 GEMMs by their references,
+@pytest.mark.parametrize("tokens, recipe, step", [(128, "tensorwise", False), (100, "tensorwise", False),
+                                                  (128, "tensorwise", True), (100, "rowwise", True)])
+def test_compiled_the_op_defers_y_and_dx_and_gives_eagers_bits(monkeypatch, tokens, recipe, step):
+    """The float8 op on the CPU (cuSPARSELt stood in for, the e4m3 2:4 GEMMs by their references,
     the sm90 conversions granted), compiled in one graph: its forward and backward each hand out a
-    still-scaled product, and Y, dX, dW1, dW2 are eager's bit for bit."""
-    from helpers import cpu_scaled_mm_runs, kernel_ffn
+    still-scaled product, and Y, dX, dW1, dW2 are eager's bit for bit; also for tokens not a
+    multiple of 64 and with an optimizer step's state (kept weight conversions, gradients added
+    into given buffers)."""
+    from helpers import cpu_scaled_mm_runs
     from test_kernels import _cslt_stand_in
-    if not cpu_scaled_mm_runs("tensorwise"):
-        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm does not run tensorwise")
+    from srelu24_kernels.srelu24.op import convert_weights, ffn
+    from srelu24_kernels.srelu24.options import StepState
+    if not cpu_scaled_mm_runs(recipe):
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm does not run {recipe}")
     _cslt_stand_in(monkeypatch)
     calls = _scaled_stand_in(monkeypatch)
     monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
     g = torch.Generator().manual_seed(21)
-    x = torch.randn(128, 64, generator=g).bfloat16().requires_grad_()
+    x = torch.randn(tokens, 64, generator=g).bfloat16().requires_grad_()
     w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
     w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
-    dy = torch.randn(128, 64, generator=g).bfloat16()
+    dy = torch.randn(tokens, 64, generator=g).bfloat16()
+    options = OpOptions(SReLU24Recipe(token_permutation=False), recipe, True)
 
-    def ffn(xx, a, b):
-        return kernel_ffn(xx, a, b, SReLU24Recipe(token_permutation=False), float8="tensorwise")
+    def run(fn) -> list:
+        for t in (x, w1, w2):
+            t.grad = None
+        state = None
+        if step:
+            state = StepState(convert_weights(w1.detach(), w2.detach(), options),
+                              (torch.zeros_like(w1), torch.zeros_like(w2)))
+        y = fn(x, w1, w2, state)
+        y.backward(dy)
+        grads = state.grads if step else (w1.grad, w2.grad)
+        return [y.detach().clone(), x.grad.clone()] + [t.clone() for t in grads]
 
-    want = _runs(ffn, x, w1, w2, dy)
+    def op(xx, a, b, state):
+        return ffn(xx, a, b, options, None, state)
+
+    want = run(op)
     assert calls == []  # eager: the op unscales itself
     torch._dynamo.reset()
-    got = _runs(torch.compile(ffn, backend="aot_eager", fullgraph=True), x, w1, w2, dy)
-    assert calls == [(128, 64), (128, 64)]  # Y's product in the forward, dX's in the backward
+    got = run(torch.compile(op, backend="aot_eager", fullgraph=True))
+    assert calls == [(128, 64), (128, 64)]  # Y's product in the forward, dX's in the backward (rows padded to 64)
     for what, a, b in zip(("Y", "dX", "dW1", "dW2"), got, want):
         assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), what
 
 
 def test_the_ops_schema_and_fakes_with_deferred_products(monkeypatch):
-    """opcheck of the forward asked to defer (its fake's two scale outputs), on the CPU path."""
-    from helpers import cpu_scaled_mm_runs, forward_args
+    """opcheck of the forward and the backward asked to defer (their fakes' two scale outputs), on
+    the CPU path."""
+    from helpers import backward_args, cpu_scaled_mm_runs, forward_args
     from test_kernels import _cslt_stand_in
     import srelu24_kernels.srelu24.op as K
     if torch.cuda.is_available() or not cpu_scaled_mm_runs("tensorwise"):
@@ -133,6 +155,12 @@ def test_the_ops_schema_and_fakes_with_deferred_products(monkeypatch):
     out = K.ffn_forward(*args)
     assert out[7].shape == (128,) and out[8].shape == (64,)
     torch.library.opcheck(K.ffn_forward, args)
+    y, saved, counts = (t.detach() for t in out[:3])  # the backward op has no gradient of its own
+    dy = torch.randn(y.shape, generator=g).bfloat16()
+    back = backward_args(dy, x.detach(), w1.detach(), w2.detach(), saved, counts, o, defer_unscaling=True)
+    dx, _, _, rows, cols = K.ffn_backward(*back)
+    assert dx.shape == (128, 64) and rows.shape == (128,) and cols.shape == (64,)
+    torch.library.opcheck(K.ffn_backward, back)
 
 
 @pytest.mark.gpu
@@ -214,3 +242,48 @@ def test_the_block_compiles_in_one_graph_before_the_kernels_load():
         y = compiled(x, cos, sin, token_order=order)
     y.float().square().mean().backward()
     assert torch.isfinite(x.grad).all() and block.feed_forward.w1.weight.grad is not None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: on a GPU machine the granted sm90 kernels would "
+                    "launch on CPU tensors (the GPU test above compiles a block there)")
+def test_inductor_fuses_the_unscaling_into_the_blocks_residual_add_and_norm_backward(monkeypatch):
+    """A transformer block with srelu24 in its 2:4 phase (tokens permuted by the block, float8
+    tensorwise, the CPU path with stand-ins), compiled by Inductor in one graph: Y's unscaling (the
+    division by its scales, [:, None]) runs inside the kernel that adds it to the residual, and dX's
+    inside the norm's backward, not in kernels of their own (as when a graph break split the block)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    import model.ffn as ffn_module
+    from helpers import cpu_scaled_mm_runs
+    from model.config import FFNConfig, ModelConfig
+    from model.transformer import Block, rope_tables
+    from srelu24_kernels.srelu24.reference import random_token_orders
+    from test_kernels import _cslt_stand_in
+    if not cpu_scaled_mm_runs("tensorwise"):
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm does not run tensorwise")
+    _cslt_stand_in(monkeypatch)
+    calls = _scaled_stand_in(monkeypatch)
+    monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
+    monkeypatch.setattr(ffn_module, "kernels_available", lambda x: True)
+    torch.manual_seed(25)
+    block = Block(ModelConfig(dim=128, n_heads=2, max_seq_len=64), FFNConfig(kind="srelu24", hidden_dim=256), "tensorwise")
+    block.feed_forward.set_2to4(True)
+    x = torch.randn(2, 64, 128, requires_grad=True)
+    cos, sin = rope_tables(64, 64, 10000.0)
+    order = random_token_orders(128, 1, "cpu")[0]
+    compiled = torch.compile(block, fullgraph=True)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = compiled(x, cos, sin, token_order=order)
+        y.float().square().mean().backward()
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(step)
+    assert len(calls) == 2  # Y and dX left the op scaled
+    kernels = {name for code in codes for name in re.findall(r"\b((?:cpp|triton)_\w*fused\w*?)(?:_\d+)? = ", code)}
+    unscaling = [k for k in kernels if "div" in k and "unsqueeze" in k]
+    assert len(unscaling) == 2 and all("add" in k for k in unscaling), sorted(kernels)
+    assert torch.isfinite(x.grad).all()

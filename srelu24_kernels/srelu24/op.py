@@ -34,8 +34,8 @@ The backward's modes, and who sets them:
                                                                             keeps the second instead of X; dA's A
                                                                             and dW2's B likewise from dY
     Y, dX left scaled             a compiled graph (ffn asks), e4m3         the unscaling of Y and dX as torch ops
-                                  2:4 GEMMs (_defers_unscaling)             after the op, fused by Inductor into the
-                                                                            residual add and the norm's backward
+                                  2:4 GEMMs; for dX also dZ 2:4 and no      after the op, fused by Inductor into the
+                                  order drawn by the op (_defers_unscaling) residual add and the norm's backward
     gradients added into .grad    StepState (training/step.py)              dW1, dW2 added into the given buffers
     S(A24)^T written in e4m3      A24 kept, e4m3, an unlogged step,         the forward's sparsify pass takes A24's
                                   tokens a multiple of 64                   column maxima, from which the backward's
@@ -164,7 +164,9 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
     float32 where _fuses_a24_cast, else empty; Y's row [T] and column [d] scales where
     _defers_unscaling (Y is then still scaled: fp8_sparse.unscaled(Y, *scales) is the product),
     else empty). defer_unscaling: asked by the caller inside a compiled graph, where the
-    unscaling fuses into the residual add (ffn). weights:
+    unscaling fuses into the residual add (ffn). The gradient autograd hands the backward for Y is
+    dL/dY of the unscaled Y: a caller that defers must unscale Y with an identity gradient
+    (_Unscaled), or its gradients are wrong. weights:
     WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the buffers it adds into),
     taken here so that autograd hands them to it. keep_a24: `keeps_a24`,
     asked by the caller: an argument is part of a compiled graph and so of Inductor's on-disk
@@ -239,7 +241,8 @@ def _input_grad(ops: _SparseOperands, saved: Tensor, da: Tensor, w1: Tensor, per
                 kept: Optional[WeightOperands], deferred: bool = False) -> tuple[Tensor, Optional[tuple]]:
     """(dX = dZ W1 in token order, None); deferred (_defers_unscaling, for the backward): (dX still
     scaled, its row and column scales)."""
-    if deferred:
+    if deferred:  # _defers_unscaling(backward=True): dZ 2:4, no order of the op's to undo
+        assert perm is None and o.recipe.reuse_forward_mask
         dx, rows, cols = fp8_sparse.scaled_sparse_mm(ops.dz, w1, b_e4m3=kept and kept.for_dx)
         return dx[:T], (rows[:T], cols.clone() if kept else cols)  # a kept conversion's is an input: not aliased
     if not o.recipe.reuse_forward_mask:  # dZ is not 2:4 then: a dense GEMM (the ablation), from Z
@@ -464,7 +467,8 @@ def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), sta
     kept = step.weights.flat() if step is not None and step.weights is not None else []
     g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
     keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)  # decided here: a constant of the compiled graph
-    # compiled: Y and dX leave the op still scaled, their unscaling fused into what reads them
+    # compiled: Y and dX leave the op still scaled, their unscaling fused into what reads them (by
+    # Inductor; under aot_eager, a test backend, the unscaling runs as four elementwise passes)
     defer = options.e4m3 and torch.compiler.is_compiling()
     y, _, _, row, _, _, _, y_rows, y_cols = ffn_forward(
         x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3), _op_weight(w2, options.e4m3), kept,
