@@ -295,13 +295,13 @@ def backward_operands(z: Tensor, da: Tensor, perm: Optional[Tensor], dense: Opti
 
 
 @torch.compiler.assume_constant_result
-def _kernels_load(device: torch.device) -> bool:
-    """KERNELS is built and loads on this sm80/sm90 device. A constant to torch.compile, which calls
+def _kernels_load(device_index: Optional[int]) -> bool:
+    """KERNELS is built and loads on this sm80/sm90 GPU (its index; None: the current one). A constant to torch.compile, which calls
     it rather than tracing it: the library's first load (os.path.exists, ctypes) cannot be traced,
     and the graph break it made split every compiled block at the FFN, so that nothing around the
     op fused with its neighbours (the input's bf16 cast, Y into the residual add, dX into the norm's
     backward). Its answer is kept, unguarded, for the process: the library does not come or go."""
-    return KERNELS.available(device, (8, 9))
+    return KERNELS.available(device_index, (8, 9))
 
 
 def a24_usable(device, Fh: int, reuse_forward_mask: bool = True) -> bool:
@@ -310,7 +310,7 @@ def a24_usable(device, Fh: int, reuse_forward_mask: bool = True) -> bool:
     shapes alone (no data), so that the FFN's forward knows what to keep for its backward."""
     dev = torch.device(device)
     return (reuse_forward_mask and dev.type == "cuda" and Fh % 64 == 0 and Fh // 64 <= 65535
-            and _kernels_load(dev))
+            and _kernels_load(dev.index))  # an int or None: a plain constant for dynamo
 
 
 def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
