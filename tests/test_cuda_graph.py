@@ -219,6 +219,7 @@ def test_several_processes_are_refused_and_the_default_is_eager():
     assert to_object(compose_config(["+experiment=demo"])).trainer.cuda_graph is False
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["srelu", "srelu24"])
 def test_the_captured_step_trains_as_the_eager_step_on_the_gpu(kind):
@@ -302,6 +303,7 @@ def test_srelu24s_kept_step_state_is_refreshed_each_step(monkeypatch):
         assert torch.equal(p.detach(), eager[1][n]), n
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_train_py_with_a_graph_trains_and_resumes_as_without(tmp_path, corpus, cache):
     """The trainer end to end: srelu24 with 2:4 from step 4, a background checkpoint at step 4 (its

@@ -178,6 +178,7 @@ def test_the_op_pairs_x_and_dy_where_both_gemms_take_the_pair(monkeypatch):
     assert K._gradient_casts(dy, 256, tensorwise) == (None, None) == K._input_casts(x, 256, tensorwise)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d, f", [(2048, 8448), (512, 1536)])
 def test_convert_weights_at_the_models_shapes_on_the_gpu(d, f):
@@ -284,6 +285,7 @@ def test_the_op_on_the_cpu_takes_the_pairs_bit_for_bit(monkeypatch):
     torch.library.opcheck(K.ffn_forward, forward_args(x, w1, w2, False, o))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
 def test_the_op_with_x_and_dy_paired_is_bit_for_bit_the_one_by_one(monkeypatch, weights_dtype):
