@@ -219,3 +219,15 @@ def backward_args(dy, x, w1, w2, saved, counts, options, defer_unscaling: bool =
 
     return (dy, x, w1, w2, saved, counts, keeps_a24(x, w1, options.recipe.reuse_forward_mask), [], None, None,
             None, None, None, *options.flags(), defer_unscaling)
+
+
+def cpu_op_inputs(tokens: int, seed: int) -> tuple:
+    """(x [tokens, 64] bf16, w1 [128, 64] and w2 [64, 128] fp32 as the model keeps them, all
+    requiring gradients; dy [tokens, 64] bf16): the srelu24 op's inputs on its CPU path."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
+    w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
+    return x, w1, w2, torch.randn(tokens, 64, generator=g).bfloat16()

@@ -95,7 +95,7 @@ def test_compiled_the_op_defers_y_and_dx_and_gives_eagers_bits(monkeypatch, toke
     still-scaled product, and Y, dX, dW1, dW2 are eager's bit for bit; also for tokens not a
     multiple of 64 and with an optimizer step's state (kept weight conversions, gradients added
     into given buffers)."""
-    from helpers import cpu_scaled_mm_runs
+    from helpers import cpu_op_inputs, cpu_scaled_mm_runs
     from test_kernels import _cslt_stand_in
     from srelu24_kernels.srelu24.op import convert_weights, ffn
     from srelu24_kernels.srelu24.options import StepState
@@ -104,11 +104,7 @@ def test_compiled_the_op_defers_y_and_dx_and_gives_eagers_bits(monkeypatch, toke
     _cslt_stand_in(monkeypatch)
     calls = _scaled_stand_in(monkeypatch)
     monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
-    g = torch.Generator().manual_seed(21)
-    x = torch.randn(tokens, 64, generator=g).bfloat16().requires_grad_()
-    w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
-    w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
-    dy = torch.randn(tokens, 64, generator=g).bfloat16()
+    x, w1, w2, dy = cpu_op_inputs(tokens, 21)
     options = OpOptions(SReLU24Recipe(token_permutation=False), recipe, True)
 
     def run(fn) -> list:
@@ -138,7 +134,7 @@ def test_compiled_the_op_defers_y_and_dx_and_gives_eagers_bits(monkeypatch, toke
 def test_the_ops_schema_and_fakes_with_deferred_products(monkeypatch):
     """opcheck of the forward and the backward asked to defer (their fakes' two scale outputs), on
     the CPU path."""
-    from helpers import backward_args, cpu_scaled_mm_runs, forward_args
+    from helpers import backward_args, cpu_op_inputs, cpu_scaled_mm_runs, forward_args
     from test_kernels import _cslt_stand_in
     import srelu24_kernels.srelu24.op as K
     if torch.cuda.is_available() or not cpu_scaled_mm_runs("tensorwise"):
@@ -146,17 +142,13 @@ def test_the_ops_schema_and_fakes_with_deferred_products(monkeypatch):
     _cslt_stand_in(monkeypatch)
     _scaled_stand_in(monkeypatch)
     monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
-    g = torch.Generator().manual_seed(22)
-    x = torch.randn(128, 64, generator=g).bfloat16().requires_grad_()
-    w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
-    w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
+    x, w1, w2, dy = cpu_op_inputs(128, 22)
     o = OpOptions(SReLU24Recipe(token_permutation=False), "tensorwise", True)
     args = forward_args(x, w1, w2, False, o, defer_unscaling=True)
     out = K.ffn_forward(*args)
     assert out[7].shape == (128,) and out[8].shape == (64,)
     torch.library.opcheck(K.ffn_forward, args)
     y, saved, counts = (t.detach() for t in out[:3])  # the backward op has no gradient of its own
-    dy = torch.randn(y.shape, generator=g).bfloat16()
     back = backward_args(dy, x.detach(), w1.detach(), w2.detach(), saved, counts, o, defer_unscaling=True)
     dx, _, _, rows, cols = K.ffn_backward(*back)
     assert dx.shape == (128, 64) and rows.shape == (128,) and cols.shape == (64,)

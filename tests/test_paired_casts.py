@@ -264,18 +264,14 @@ def test_the_op_on_the_cpu_takes_the_pairs_bit_for_bit(monkeypatch):
     the CPU's _scaled_mm, the e4m3 2:4 GEMMs by their fp32 references, the sm90 conversions granted):
     Y, dX, dW1, dW2 bit for bit with and without X's and dY's pairs, and the forward keeps X's cast,
     not X."""
-    from helpers import cpu_scaled_mm_runs
+    from helpers import cpu_op_inputs, cpu_scaled_mm_runs
     from test_kernels import _cslt_stand_in
     if not cpu_scaled_mm_runs("tensorwise"):
         pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm does not run tensorwise")
     _cslt_stand_in(monkeypatch)
     _e4m3_sparse_stand_in(monkeypatch)
     monkeypatch.setattr(fp8_sparse, "available", lambda device: True)
-    g = torch.Generator().manual_seed(12)
-    x = torch.randn(128, 64, generator=g).bfloat16().requires_grad_()
-    w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
-    w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
-    dy = torch.randn(128, 64, generator=g).bfloat16()
+    x, w1, w2, dy = cpu_op_inputs(128, 12)
     _check_paired_runs(_op_runs(monkeypatch, x, w1, w2, dy), x)
     # the forward's schema, fake and autograd with the cast among its outputs
     from helpers import forward_args
