@@ -149,6 +149,7 @@ class SReLU24(SReLU):
         self.sparse = False
         self.kernels = kernels
         self.step_state: Optional[StepState] = None  # an optimizer step's, while it runs (srelu24_step)
+        self._grad_hooks: list = []  # the step's hooks that take the weights' .grad once autograd made them
 
     @classmethod
     def from_config(cls, dim: int, hidden: int, cfg, float8: str = "none") -> "SReLU24":
@@ -195,8 +196,10 @@ class SReLU24(SReLU):
         """Open this FFN's StepState for an optimizer step's micro-batches: in its 2:4 phase, in e4m3
         mode on fp32 weights (one process or DDP; under FSDP2 the weights are bf16 and gathered per
         use), its weights' conversions made now where the e4m3 2:4 GEMMs run (keep_conversions), and
-        the weights' .grad as the buffers its backward adds into (grads_in_place: allocated here,
-        zeroed, where there is none)."""
+        the weights' .grad as the buffers its backward adds into (grads_in_place). Where the weights
+        have no .grad yet (set to None after the last step), the first micro-batch's gradients become
+        it as autograd assigns them, and the op adds into it from the next micro-batch on: no zero
+        fill, no read of zeros (a post-accumulate-grad hook takes them when both are there)."""
         w1, w2 = self.w1.weight, self.w2.weight
         if not (self.sparse and self.options.e4m3 and w1.dtype == w2.dtype == torch.float32
                 and self.kernels and kernels_available(w1)):
@@ -207,16 +210,28 @@ class SReLU24(SReLU):
         state = StepState()
         if keep_conversions and fp8_sparse.available(w1.device):
             state.weights = convert_weights(w1, w2, self.options)
-        if grads_in_place and w1.requires_grad and w2.requires_grad:
-            grads = _grad_buffer(w1), _grad_buffer(w2)
-            state.grads = grads if None not in grads else None
-        if state.weights is not None or state.grads is not None:
+        if grads_in_place and w1.requires_grad and w2.requires_grad and not self._take_grads(state):
+            def take(_):  # a post-accumulate-grad hook returns None
+                self._take_grads(state)
+            self._grad_hooks = [w.register_post_accumulate_grad_hook(take) for w in (w1, w2)]
+        if state.weights is not None or state.grads is not None or self._grad_hooks:
             self.step_state = state
             self._written = _versions(w1, w2)
+
+    def _take_grads(self, state: StepState) -> bool:
+        """state.grads = the weights' .grad, where both are there and laid out as the op adds into
+        them (else they stay autograd's to accumulate); whether state.grads is set."""
+        if state.grads is None:
+            grads = _grad_buffer(self.w1.weight), _grad_buffer(self.w2.weight)
+            state.grads = grads if None not in grads else None
+        return state.grads is not None
 
     def end_step(self) -> None:
         """Close the StepState. The weights must not have been written while it was open: its
         conversions would have been stale."""
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
         if self.step_state is None:
             return
         self.step_state = None
@@ -230,12 +245,10 @@ def _versions(*ws: Tensor) -> tuple:
 
 
 def _grad_buffer(p: nn.Parameter) -> Optional[Tensor]:
-    """p.grad as a buffer the op may add into (contiguous, p's dtype and shape; created zeroed where
-    there is none), or None where the .grad there is laid out otherwise."""
-    if p.grad is None:
-        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    """p.grad as a buffer the op may add into (contiguous, p's dtype and shape), or None where there
+    is none or it is laid out otherwise."""
     g = p.grad
-    return g if g.dtype == p.dtype and g.shape == p.shape and g.is_contiguous() else None
+    return g if g is not None and g.dtype == p.dtype and g.shape == p.shape and g.is_contiguous() else None
 
 
 def keeps_conversions(several: bool, float8: str) -> bool:

@@ -303,6 +303,35 @@ def test_srelu24s_kept_step_state_is_refreshed_each_step(monkeypatch):
         assert torch.equal(p.detach(), eager[1][n]), n
 
 
+def test_srelu24_adds_into_the_graphs_grad_with_one_micro_batch_too(monkeypatch):
+    """One micro-batch a step: the graph's srelu24 step states take the kept .grad buffers, so the op
+    adds its weight gradients into them (no fp32 dW for autograd to add); the run is the eager one's
+    (where autograd assigns .grad), bit for bit."""
+    from model import FFNConfig, ModelConfig, Transformer
+    from model.ffn import SReLU24
+    from test_step_state import _cpu_kernel_path
+
+    _cpu_kernel_path(monkeypatch, "rowwise", keep=False)
+
+    def model():
+        torch.manual_seed(0)
+        cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, max_seq_len=S)
+        return Transformer(cfg, FFNConfig(kind="srelu24", hidden_dim=64), 64, float8="rowwise")
+
+    eager = run(model(), graphs=False, steps=4, log_every=2, accum=1)
+    m = model()
+    parts = parts_for(m, accum=1, micro=MICRO, sparse_from=2)
+    parts.graphs = MicroBatchGraphs.for_step(parts, MICRO, S)
+    state, data = TrainState(), iter(batches(4, MICRO))
+    losses = [train_step(parts, state, data.__next__, log=(i + 1) % 2 == 0).loss for i in range(4)]
+    ffns = [f for f in m.modules() if isinstance(f, SReLU24)]
+    assert all(st is not None and st.grads == (f.w1.weight.grad, f.w2.weight.grad)
+               for f, st in zip(ffns, parts.graphs.states))
+    assert [x for x in losses if x is not None] == eager[0]
+    for n, p in m.named_parameters():
+        assert torch.equal(p.detach(), eager[1][n]), n
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_train_py_with_a_graph_trains_and_resumes_as_without(tmp_path, corpus, cache):

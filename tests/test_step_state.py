@@ -132,24 +132,52 @@ def test_the_step_state_gives_autograds_steps_on_the_cpu(monkeypatch, keep, in_p
     assert n_kept == (2 * 2 if keep else 2 * 3 * 2)  # with kept conversions: per step
 
 
-def test_with_gradients_in_place_the_op_adds_into_the_buffers_of_the_step(monkeypatch):
-    """The op adds dW1, dW2 into the .grad buffers the state allocated, zeroed, when the step
-    began: .grad stays that tensor, and after two micro-batches holds their sum."""
+def test_with_gradients_in_place_the_first_micro_batch_makes_grad_and_the_rest_add_into_it(monkeypatch):
+    """No .grad at the step's start (set to None after the last optimizer step): nothing is
+    allocated or zeroed; the first micro-batch's dW1, dW2 become .grad as autograd assigns them, the
+    op gets those tensors from the second micro-batch on and adds into them (.grad stays them), and
+    the hooks that took them are gone after the step. The sums are autograd's, bit for bit."""
+    import srelu24_kernels.srelu24.op as op
+    from model.ffn import srelu24_step
+
+    _cpu_kernel_path(monkeypatch, "rowwise", False)
+    given, real = [], op.ffn_forward
+    monkeypatch.setattr(op, "ffn_forward", lambda *a: given.append((a[4], a[5])) or real(*a))  # grad_w1, grad_w2
+    w1, w2 = torch.randn(64, 64) / 8, torch.randn(64, 64) / 8
+    m, ref = _module(w1, w2, "rowwise", "cpu"), _module(w1, w2, "rowwise", "cpu")
+    batches = _batches(64, 64, "cpu", n=3)
+    with srelu24_step(m, keep_conversions=False, grads_in_place=True):
+        assert m.w1.weight.grad is None and m.w2.weight.grad is None and m.step_state is not None
+        m(batches[0][0]).backward(batches[0][1])
+        first = m.w1.weight.grad, m.w2.weight.grad
+        assert first[0] is not None and m.step_state.grads == first
+        for x, dy in batches[1:]:
+            m(x).backward(dy)
+    assert given[0] == (None, None) and all(g[0] is first[0] and g[1] is first[1] for g in given[1:])
+    assert m.w1.weight.grad is first[0] and m.w2.weight.grad is first[1] and m.step_state is None
+    assert not m._grad_hooks and not m.w1.weight._post_accumulate_grad_hooks and not m.w2.weight._post_accumulate_grad_hooks
+    for x, dy in batches:
+        ref(x).backward(dy)
+    assert torch.equal(m.w1.weight.grad, ref.w1.weight.grad) and torch.equal(m.w2.weight.grad, ref.w2.weight.grad)
+
+
+def test_with_gradients_in_place_a_grad_already_there_is_added_into_from_the_first_micro_batch(monkeypatch):
+    """.grad kept between steps (zeroed in place, as under trainer.cuda_graph): the op adds into it at
+    once, and no hook is registered."""
     from model.ffn import srelu24_step
 
     _cpu_kernel_path(monkeypatch, "rowwise", False)
     w1, w2 = torch.randn(64, 64) / 8, torch.randn(64, 64) / 8
     m, ref = _module(w1, w2, "rowwise", "cpu"), _module(w1, w2, "rowwise", "cpu")
-    batches = _batches(64, 64, "cpu", n=2)
+    buffers = torch.zeros_like(m.w1.weight), torch.zeros_like(m.w2.weight)
+    m.w1.weight.grad, m.w2.weight.grad = buffers
+    x, dy = _batches(64, 64, "cpu", n=1)[0]
     with srelu24_step(m, keep_conversions=False, grads_in_place=True):
-        buffers = m.w1.weight.grad, m.w2.weight.grad
-        assert all(b is not None and not b.any() for b in buffers)  # zeroed at the step's start
-        for x, dy in batches:
-            m(x).backward(dy)
-    assert m.w1.weight.grad is buffers[0] and m.w2.weight.grad is buffers[1] and m.step_state is None
-    for x, dy in batches:
-        ref(x).backward(dy)
-    assert torch.equal(m.w1.weight.grad, ref.w1.weight.grad) and torch.equal(m.w2.weight.grad, ref.w2.weight.grad)
+        assert m.step_state.grads == buffers and not m._grad_hooks
+        m(x).backward(dy)
+    ref(x).backward(dy)
+    assert m.w1.weight.grad is buffers[0] and m.w2.weight.grad is buffers[1]
+    assert torch.equal(buffers[0], ref.w1.weight.grad) and torch.equal(buffers[1], ref.w2.weight.grad)
 
 
 def test_no_state_outside_e4m3_mode_or_the_2to4_phase(monkeypatch):
@@ -213,10 +241,11 @@ def test_a_write_during_the_step_is_refused_at_its_end(monkeypatch):
 @pytest.mark.parametrize("tokens_permuted", [False, True])
 def test_the_compiled_module_takes_each_steps_state_without_recompiling(monkeypatch, tokens_permuted):
     """torch.compile (aot_eager, one graph) around the module, also as the block calls it (tokens
-    already permuted): a graph with a step state and one without, and new states on later steps
-    reuse them (no recompilation per step). torch 2.13 traces both calls whole; the GPU test of
-    compiled training counts graph breaks under the GPU's torch (2.11's dynamo broke the block where
-    its call built an options object)."""
+    already permuted): graphs with a step state (a step's first micro-batch, with no .grad to add
+    into yet, and the later ones, with it) and one without, and new states on later steps reuse
+    them (no recompilation per step). torch 2.13 traces these calls whole; the GPU test of compiled
+    training counts graph breaks under the GPU's torch (2.11's dynamo broke the block where its call
+    built an options object)."""
     from torch._dynamo.utils import counters
 
     _cpu_kernel_path(monkeypatch, "rowwise", True)
@@ -229,10 +258,11 @@ def test_the_compiled_module_takes_each_steps_state_without_recompiling(monkeypa
     x = _batches(64, 64, "cpu", n=1)[0][0]
     for _ in range(3):
         with srelu24_step(m, keep_conversions=True, grads_in_place=True):
-            fwd(x.clone().requires_grad_(), tokens_permuted=tokens_permuted).float().sum().backward()
+            for _ in range(2):  # the first micro-batch without .grad to add into, the second with it
+                fwd(x.clone().requires_grad_(), tokens_permuted=tokens_permuted).float().sum().backward()
         m.zero_grad(set_to_none=True)
         fwd(x, tokens_permuted=tokens_permuted)  # outside a step
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
 
 
 def test_tokens_the_block_permuted_reach_the_op_as_no_permutation_of_its_own(monkeypatch):

@@ -12,8 +12,8 @@ lives in a fixed buffer:
   bit as the eager one (tests/test_cuda_graph.py);
 - the gradients: every parameter's .grad is allocated once and zeroed in place after each
   optimizer step (training/step.py), and each replay adds into it, as autograd and srelu24's op
-  (which adds its weight gradients itself under accumulation) do eagerly (a .grad replaced
-  between steps gets a new capture);
+  (which adds its weight gradients into it itself) do (a .grad replaced between steps gets a new
+  capture);
 - srelu24's step state (model/ffn.py, begin_step): opened once per 2:4 phase and kept; at each
   step its weights' e4m3 conversions are made afresh, written into the buffers the graph reads
   (under tensorwise; copied there under rowwise).
@@ -211,11 +211,14 @@ class MicroBatchGraphs:
 
     def _open_states(self) -> list:
         """srelu24's step states, opened as training/step.py opens them eagerly (kept conversions where
-        conversions_kept says; several micro-batches: gradients added into .grad) and kept for the phase."""
+        conversions_kept says) and kept for the phase. The op adds its weight gradients into .grad
+        with one micro-batch a step too: .grad is the graph's kept buffer, zeroed after each step, so
+        that saves writing dW in fp32 and autograd reading it back to add it (eagerly, with one
+        micro-batch, autograd makes .grad of dW as it is)."""
         several = self.accum > 1
         states = []
         for m in self.ffns:
-            m.begin_step(keep_conversions=conversions_kept(m, several), grads_in_place=several)
+            m.begin_step(keep_conversions=conversions_kept(m, several), grads_in_place=True)
             states.append(m.step_state)
         return states
 

@@ -8,7 +8,8 @@ scripts/bench_step.py times, so that the benchmark measures what training runs.
 srelu24's step state (model/ffn.py, `srelu24_step`): under gradient accumulation (and under the
 tensorwise recipe with one micro-batch: `conversions_kept`) its e4m3 weight conversions are made
 once when the step begins and reused by every micro-batch, and under accumulation its op adds the
-weight gradients into .grad itself; both end with the micro-batches, before the optimizer writes
+weight gradients into .grad itself from the second micro-batch on (the first's become .grad as
+autograd assigns them: no zero fill); both end with the micro-batches, before the optimizer writes
 the weights.
 
 trainer.cuda_graph (training/cuda_graph.py): each micro-batch's forward and backward is one replay
