@@ -144,6 +144,32 @@ def test_a_replaced_gradient_buffer_is_captured_anew(monkeypatch):
     assert _FakeCapture.replays == 6
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_srelu24s_step_states_take_a_replaced_grad(monkeypatch, accum):
+    """.grad dropped after every step (zero_grad(set_to_none=True)) under a graph: srelu24's kept step
+    states are opened anew on the new buffers (else the op would add W1's and W2's gradients into
+    the dropped ones, and the optimizer would see zeros); the run is the eager one's, bit for bit."""
+    from model.ffn import SReLU24
+    from test_step_state import _cpu_kernel_path
+
+    _cpu_kernel_path(monkeypatch, "rowwise", keep=False)
+    eager = run(_srelu24_rowwise(), graphs=False, steps=4, log_every=2, accum=accum)
+    m = _srelu24_rowwise()
+    parts = parts_for(m, accum=accum, micro=MICRO, sparse_from=2)
+    parts.graphs = MicroBatchGraphs.for_step(parts, MICRO, S)
+    state, data = TrainState(), iter(batches(4 * accum, MICRO))
+    losses = []
+    for i in range(4):
+        losses.append(train_step(parts, state, data.__next__, log=(i + 1) % 2 == 0).loss)
+        if i < 3:
+            parts.optimizer.zero_grad(set_to_none=True)
+    assert [x for x in losses if x is not None] == eager[0]
+    for n, p in m.named_parameters():
+        assert torch.equal(p.detach(), eager[1][n]), n
+    ffns = [f for f in m.modules() if isinstance(f, SReLU24)]
+    assert all(st is not None and st.grads[0] is f.w1.weight.grad for f, st in zip(ffns, parts.graphs.states))
+
+
 def test_the_token_orders_reach_the_model_through_the_fixed_buffer(monkeypatch):
     """Orders other than the eager model's (the buffer rolled by one token) train another model:
     the buffer is what the blocks read."""
@@ -303,21 +329,25 @@ def test_srelu24s_kept_step_state_is_refreshed_each_step(monkeypatch):
         assert torch.equal(p.detach(), eager[1][n]), n
 
 
+def _srelu24_rowwise():
+    """A srelu24 model whose op takes its kernel path on the CPU (with _cpu_kernel_path): float8
+    rowwise, so that its step states add the weight gradients into .grad."""
+    from model import FFNConfig, ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, max_seq_len=S)
+    return Transformer(cfg, FFNConfig(kind="srelu24", hidden_dim=64), 64, float8="rowwise")
+
+
 def test_srelu24_adds_into_the_graphs_grad_with_one_micro_batch_too(monkeypatch):
     """One micro-batch a step: the graph's srelu24 step states take the kept .grad buffers, so the op
     adds its weight gradients into them (no fp32 dW for autograd to add); the run is the eager one's
     (where autograd assigns .grad), bit for bit."""
-    from model import FFNConfig, ModelConfig, Transformer
     from model.ffn import SReLU24
     from test_step_state import _cpu_kernel_path
 
     _cpu_kernel_path(monkeypatch, "rowwise", keep=False)
-
-    def model():
-        torch.manual_seed(0)
-        cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, max_seq_len=S)
-        return Transformer(cfg, FFNConfig(kind="srelu24", hidden_dim=64), 64, float8="rowwise")
-
+    model = _srelu24_rowwise
     eager = run(model(), graphs=False, steps=4, log_every=2, accum=1)
     m = model()
     parts = parts_for(m, accum=1, micro=MICRO, sparse_from=2)

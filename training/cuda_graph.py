@@ -13,7 +13,7 @@ lives in a fixed buffer:
 - the gradients: every parameter's .grad is allocated once and zeroed in place after each
   optimizer step (training/step.py), and each replay adds into it, as autograd and srelu24's op
   (which adds its weight gradients into it itself) do (a .grad replaced between steps gets a new
-  capture);
+  capture, and srelu24's step states are opened anew on it);
 - srelu24's step state (model/ffn.py, begin_step): opened once per 2:4 phase and kept; at each
   step its weights' e4m3 conversions are made afresh, written into the buffers the graph reads
   (under tensorwise; copied there under rowwise).
@@ -143,6 +143,8 @@ class MicroBatchGraphs:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         if self.graph is not None and any(p.grad is not g for p, g in zip(self.params, self.grads)):
             self.graph, self.loss = None, None  # .grad was replaced (set to None, reassigned): capture anew
+        if self.states and not self._states_hold_grads():
+            self.states, self.graph, self.loss = [], None, None  # srelu24's op would add into the old .grad
         if not self.states:
             self.states = self._open_states()
         else:
@@ -221,6 +223,12 @@ class MicroBatchGraphs:
             m.begin_step(keep_conversions=conversions_kept(m, several), grads_in_place=True)
             states.append(m.step_state)
         return states
+
+    def _states_hold_grads(self) -> bool:
+        """Whether each kept srelu24 step state that adds into .grad holds its weights' current .grad."""
+        return all(st is None or st.grads is None
+                   or (st.grads[0] is m.w1.weight.grad and st.grads[1] is m.w2.weight.grad)
+                   for m, st in zip(self.ffns, self.states))
 
     def _refresh_conversions(self) -> None:
         """The current weights' e4m3 conversions, written into the kept ones (the graph's buffers)."""

@@ -157,6 +157,13 @@ def exit_process(code) -> None:
     os._exit(code)
 
 
+# The compiled variants of a block: each phase (srelu24's dense warmup, 2:4) with and without the
+# FFN statistics, evaluation (no grad), and in the 2:4 phase under srelu24's step state a step's first
+# micro-batch (no .grad to add into yet) and the later ones. One CPU run of every case reached 8,
+# torch's default limit, past which dynamo runs the block eagerly for the rest of the run.
+BLOCK_RECOMPILE_LIMIT = 16
+
+
 def build_model(make, t: TrainerConfig, d: Dist, seed: int, bf16_params: bool) -> tuple[nn.Module, nn.Module]:
     """Build on the meta device, then transform in this order (torchtitan's):
     1. float8 conversion of the linears (trainer.float8, training/float8.py),
@@ -174,6 +181,7 @@ def build_model(make, t: TrainerConfig, d: Dist, seed: int, bf16_params: bool) -
     float8.convert(model, t.float8, fsdp=t.strategy == Strategy.fsdp)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_RECOMPILE_LIMIT)
         for block in model.layers:
             block.compile()  # in place: parameter names stay as they are (no _orig_mod.)
         model.loss = torch.compile(model.loss)  # norm + output + cross-entropy fused, on the instance

@@ -65,8 +65,10 @@ class StepState:
     """What the micro-batches of one optimizer step share, for one FFN: its weights' conversions,
     made when the step begins (the weights stand still until its optimizer update), and the fp32
     buffers the backward adds the weight gradients into (the weights' .grad, as Megatron-LM's
-    main_grad). Opened and closed around the micro-batches by training/step.py, through
-    model/ffn.py's `srelu24_step`; nothing of it outlives the step."""
+    main_grad; None until they exist: model/ffn.py, begin_step). Opened and closed around the
+    micro-batches by training/step.py, through model/ffn.py's `srelu24_step`; nothing of it outlives
+    the step, except under trainer.cuda_graph, which keeps it for a 2:4 phase and writes each step's
+    conversions into it (training/cuda_graph.py)."""
     weights: Optional[WeightOperands] = None
     grads: Optional[tuple[Tensor, Tensor]] = None
 
