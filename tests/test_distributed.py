@@ -447,19 +447,19 @@ def test_activation_checkpointing_recomputes_the_chosen_blocks(mode, recomputed)
         assert torch.equal(g, grads[mode][n]), n
 
 
-def test_a_compiled_model_leaves_room_for_every_variant_of_its_blocks(monkeypatch):
+def test_a_compiled_model_leaves_room_for_every_variant_of_its_blocks():
     """trainer.compile raises dynamo's recompile limit to BLOCK_RECOMPILE_LIMIT, above the variants a
     block compiles (phases, statistics, evaluation, srelu24's first and later micro-batches)."""
     from model import FFNConfig, ModelConfig, Transformer
     from training.config import TrainerConfig
     from training.distributed import BLOCK_RECOMPILE_LIMIT, Dist, build_model
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     mcfg = ModelConfig(name="t", dim=32, n_layers=2, n_heads=2, swiglu_hidden=64, max_seq_len=16)
-    build_model(lambda: Transformer(mcfg, FFNConfig(), 50), TrainerConfig(compile=False), Dist(), 0, False)
-    assert torch._dynamo.config.recompile_limit == 8
-    build_model(lambda: Transformer(mcfg, FFNConfig(), 50), TrainerConfig(compile=True), Dist(), 0, False)
-    assert torch._dynamo.config.recompile_limit == BLOCK_RECOMPILE_LIMIT > 8
+    with torch._dynamo.config.patch(recompile_limit=8):  # restored on exit (a monkeypatch would delete it)
+        build_model(lambda: Transformer(mcfg, FFNConfig(), 50), TrainerConfig(compile=False), Dist(), 0, False)
+        assert torch._dynamo.config.recompile_limit == 8
+        build_model(lambda: Transformer(mcfg, FFNConfig(), 50), TrainerConfig(compile=True), Dist(), 0, False)
+        assert torch._dynamo.config.recompile_limit == BLOCK_RECOMPILE_LIMIT > 8
 
 
 def test_cuda_device_always_gets_an_index(monkeypatch):
