@@ -231,3 +231,17 @@ def cpu_op_inputs(tokens: int, seed: int) -> tuple:
     w1 = (torch.randn(128, 64, generator=g) / 8).requires_grad_()
     w2 = (torch.randn(64, 128, generator=g) / 11).requires_grad_()
     return x, w1, w2, torch.randn(tokens, 64, generator=g).bfloat16()
+
+
+def wide_op_inputs(seed: int, weights_dtype, device: str = "cuda") -> tuple:
+    """(x [1024, 2048] bf16 and w1 [8448, 2048], w2 [2048, 8448] in weights_dtype, all requiring
+    gradients; dy [1024, 2048] bf16): the srelu24 op's inputs at the 1B FFN's width, drawn after
+    torch.manual_seed(seed), for the GPU tests of its e4m3 path."""
+    import torch
+
+    torch.manual_seed(seed)
+    T, d, f = 1024, 2048, 8448
+    x = torch.randn(T, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(f, d, device=device) * d ** -0.5).to(weights_dtype).requires_grad_()
+    w2 = (torch.randn(d, f, device=device) * f ** -0.5).to(weights_dtype).requires_grad_()
+    return x, w1, w2, torch.randn(T, d, device=device, dtype=torch.bfloat16)

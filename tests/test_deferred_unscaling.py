@@ -161,17 +161,13 @@ def test_inductor_fuses_the_unscaling_with_eagers_bits_on_the_gpu(monkeypatch, w
     """The tensorwise e4m3 op at the 1B FFN's width, fresh random inputs, compiled by Inductor with a
     residual add after it (where the trainer's block fuses Y's unscaling): Y + x, dX, dW1, dW2 the
     same bits as eager, where the op's own Triton pass unscales; and the compiled op deferred."""
+    from helpers import wide_op_inputs
     from srelu24_kernels.srelu24.op import ffn
     if not fp8_sparse.available("cuda"):
         pytest.skip("needs an sm90 GPU with cuSPARSELt's e4m3 kernels")
     calls, real = [], fp8_sparse.scaled_sparse_mm
     monkeypatch.setattr(fp8_sparse, "scaled_sparse_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    torch.manual_seed(23)
-    T, d, f = 1024, 2048, 8448
-    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w1 = (torch.randn(f, d, device="cuda") * d ** -0.5).to(weights_dtype).requires_grad_()
-    w2 = (torch.randn(d, f, device="cuda") * f ** -0.5).to(weights_dtype).requires_grad_()
-    dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+    x, w1, w2, dy = wide_op_inputs(23, weights_dtype)
 
     options = OpOptions(SReLU24Recipe(token_permutation=False), "tensorwise", True)  # torch 2.11's dynamo builds none
 

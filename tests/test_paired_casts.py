@@ -288,12 +288,9 @@ def test_the_op_with_x_and_dy_paired_is_bit_for_bit_the_one_by_one(monkeypatch, 
     """srelu24's tensorwise e4m3 op at the 1B FFN's width, fresh random inputs: Y, dX, dW1, dW2 the
     same bits whether X's and dY's conversions come from one pair each or each GEMM's own (the
     kernels' sm90 code, which the interpreter does not run); the forward keeps X's cast, not X."""
+    from helpers import wide_op_inputs
+
     if not fp8_sparse.available("cuda"):
         pytest.skip("needs an sm90 GPU with cuSPARSELt's e4m3 kernels")
-    torch.manual_seed(17)
-    T, d, f = 1024, 2048, 8448
-    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w1 = (torch.randn(f, d, device="cuda") * d ** -0.5).to(weights_dtype).requires_grad_()
-    w2 = (torch.randn(d, f, device="cuda") * f ** -0.5).to(weights_dtype).requires_grad_()
-    dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+    x, w1, w2, dy = wide_op_inputs(17, weights_dtype)
     _check_paired_runs(_op_runs(monkeypatch, x, w1, w2, dy), x)
