@@ -43,10 +43,16 @@ def _inputs(T: int, F_: int, seed: int):
 @pytest.mark.parametrize("T, F_", [(64, 64), (512, 256), (1024, 8448), (4096, 8448)])
 @pytest.mark.parametrize("permuted, n_dense", [(False, 0), (True, 0), (True, 5)])
 @pytest.mark.parametrize("a_e4m3", [False, True])
-def test_the_backward_writes_dz_in_e4m3_as_compressed_to_e4m3_converts_it(T, F_, permuted, n_dense, a_e4m3):
+def test_the_backward_writes_dz_in_e4m3_as_compressed_to_e4m3_converts_it(monkeypatch, T, F_, permuted, n_dense,
+                                                                           a_e4m3):
     _needs_kernels()
-    torch.manual_seed(T * 7 + F_ + n_dense)
-    a24, amax, da = _inputs(T, F_, T * 3 + F_ + n_dense)
+    import srelu24_kernels.srelu24.sparsify_backward as SB
+    real_empty = SB.empty_compressed
+    # poisoned buffers (and inputs drawn anew for each case): a byte the pass fails to write cannot pass
+    monkeypatch.setattr(SB, "empty_compressed", lambda n, dtype, device: real_empty(n, dtype, device).fill_(
+        255 if dtype == torch.uint8 else float("nan")))
+    torch.manual_seed(T * 7 + F_ + n_dense + 2 * a_e4m3)
+    a24, amax, da = _inputs(T, F_, T * 3 + F_ + n_dense + 2 * a_e4m3)
     perm = torch.randperm(T, device="cuda") if permuted else None
     dense = torch.randperm(F_, device="cuda")[:n_dense].sort().values if n_dense else None
     slots = dense_slots(dense, F_, "cuda")[0] if dense is not None else None
@@ -64,8 +70,8 @@ def test_the_backward_writes_dz_in_e4m3_as_compressed_to_e4m3_converts_it(T, F_,
     assert g8[1][3] == floor  # the feature never positive
     if dense is not None:  # a dense feature's row of S(dZ)^T is zeros, scaled as an all-zero row
         assert (g8[1][dense] == floor).all()
-    got_a, want_a = (a[0][0], a0[0][0]) if a_e4m3 else (a[0], a0[0])  # the rest as without
-    for got, want in ((got_a, want_a), (a[1], a0[1]), (g_full, g_full0)):
+    got_a, want_a = (a[0], a0[0]) if a_e4m3 else ((a[0],), (a0[0],))  # the rest as without (values, scales)
+    for got, want in (*zip(got_a, want_a), (a[1], a0[1]), (g_full, g_full0)):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 

@@ -276,7 +276,9 @@ def scaled_sparse_mm(buf: Tensor | None, b: Tensor, b_e4m3: tuple[Tensor, Tensor
                      a_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """sparse_mm(buf, b) before its unscaling pass: (y, row scales, column scales), y bf16 [m, n]
     such that sparse_mm's product is `unscaled(y, row_scale, col_scale)`. For a caller that does
-    add, the norm's backward: srelu24_kernels/srelu24/op.py) instead of a pass of its own. a_e4m3 as sparse_mm's."""
+    the unscaling inside a compiled graph, where it fuses into the product's consumer (the residual
+    add, the norm's backward: srelu24_kernels/srelu24/op.py) instead of a pass of its own. a_e4m3 as
+    sparse_mm's."""
     return _scaled_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), False, a_e4m3)
 
 

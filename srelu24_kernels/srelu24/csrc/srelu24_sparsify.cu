@@ -14,7 +14,9 @@
 //             zeroed there and written exactly to [k, Tp] buffers. Where given the forward's maxima,
 //             S(A24)^T is written in e4m3 (values scaled per row, e4m3 metadata layout), as
 //             srelu24_kernels/float8/sparse.py's compressed_to_e4m3 would convert the bf16 one: 2:4
-//             along tokens keeps each group's largest value, so a row's amax is the feature's maximum
+//             along tokens keeps each group's largest value, so a row's amax is the feature's maximum.
+//             Where given dZ's row maxima (a pass of loads before: dz_amax_kernel), dZ's operand and
+//             S(dZ)^T likewise
 //
 // Why CUDA: the Triton backward kernel is instruction-bound (high SM issue, low DRAM throughput;
 // benchmarks/RESULTS.md). cuSPARSELt's 2:4 metadata layout packs nibbles of rows 8 apart and of
@@ -576,7 +578,7 @@ int srelu24_backward_operands(const void* z, const void* da, const int* order, c
 // a_amax: null, or srelu_sparsify's amax for the same rows: then av/am are S(A24)^T's e4m3 values and
 // metadata ([F, Tp] as compressed_to_e4m3 lays them out, Tp % 64 == 0) and a_scale [F] float32 gets
 // its row scales. dz_amax, g_amax: null, or srelu24_dz_amax_a24's maxima for the same inputs: then
-// dzv/dzm are dZ's operand in e4m3 ([Tr, F], Tr == T % 64 == 0) with its row scales in dz_scale [Tr],
+// dzv/dzm are dZ's operand in e4m3 ([Tr, F]; Tr == T, a multiple of 64) with its row scales in dz_scale [Tr],
 // and gv/gm S(dZ)^T's ([F, Tp]) with g_scale [F] (both or neither).
 int srelu24_backward_operands_a24(const void* a24v, const void* a24m, const void* da, const int* order, const int* slots,
                                void* dzv, void* dzm, void* av, void* am, void* afull, void* gv, void* gm, void* gfull,
