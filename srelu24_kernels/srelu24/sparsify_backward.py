@@ -213,7 +213,9 @@ def cuda_usable(z: Tensor, da: Tensor, reuse_forward_mask: bool = True) -> bool:
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64]
 _CUDA_A24_ARGS = [_P] * 19 + [_I, _I, _I, _I, _I64]
-_CUDA_DZ_AMAX_ARGS = [_P] * 6 + [_I, _I, _I, _I64]
+_CUDA_DZ_AMAX_ARGS = [_P] * 6 + [_I, _I, _I, _I64, _I]
+# the pass of loads runs its blocks bands first (whole token rows read together) or token blocks first
+DZ_AMAX_BANDS_FASTEST = True
 
 
 def _token_order(perm: Optional[Tensor], T: int, device) -> Tensor:
@@ -369,7 +371,8 @@ def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], 
         scale = torch.empty(Tr + Fh, dtype=torch.float32, device=da.device)
         dz_scale, g_scale = scale[:Tr], scale[Tr:]
         launch("srelu24_dz_amax_a24", _CUDA_DZ_AMAX_ARGS, *(t.data_ptr() for t in (
-            a24, _meta(a24, Tr, Fh), da, order, dz_amax, g_amax)), T, Tr, Fh, da.stride(0), device=da.device)
+            a24, _meta(a24, Tr, Fh), da, order, dz_amax, g_amax)), T, Tr, Fh, da.stride(0), int(DZ_AMAX_BANDS_FASTEST),
+            device=da.device)
 
     def meta(buf, rows, cols, e4m3):  # e4m3: the metadata bytes after the values
         return buf[rows * cols // 2:] if e4m3 else _meta(buf, rows, cols)

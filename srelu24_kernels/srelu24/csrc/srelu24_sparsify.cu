@@ -200,9 +200,9 @@ __device__ __forceinline__ void load_a24_rows(const uint16_t* __restrict__ a24v,
 __global__ void __launch_bounds__(kThreads) dz_amax_kernel(
     const uint16_t* __restrict__ a24v, const uint16_t* __restrict__ a24m, const uint16_t* __restrict__ da,
     const int* __restrict__ order, uint32_t* __restrict__ row_amax, uint32_t* __restrict__ col_amax, int T, int F,
-    int64_t stride_da) {
+    int64_t stride_da, int bands_fastest) {
   __shared__ uint32_t s_col[kThreads / 32][kFeat];
-  const int tok0 = blockIdx.x * kTok, band = blockIdx.y;
+  const int tok0 = (bands_fastest ? blockIdx.y : blockIdx.x) * kTok, band = bands_fastest ? blockIdx.x : blockIdx.y;
   const RowLayout L(threadIdx.x);
   uint4 zq[4], dq[4];
   load_a24_rows(a24v, a24m, da, order, tok0, band, T, F, stride_da, L, zq, dq);
@@ -599,11 +599,12 @@ int srelu24_backward_operands_a24(const void* a24v, const void* a24m, const void
 // dZ's row maxima [Tr] and S(dZ)^T's [F] (float32, zeroed by the caller; see dz_amax_kernel) from the
 // same inputs as srelu24_backward_operands_a24, for its dz_amax and g_amax.
 int srelu24_dz_amax_a24(const void* a24v, const void* a24m, const void* da, const int* order, void* row_amax,
-                        void* col_amax, int T, int Tr, int F, int64_t stride_da, cudaStream_t stream) {
+                        void* col_amax, int T, int Tr, int F, int64_t stride_da, int bands_fastest, cudaStream_t stream) {
   if (Tr == 0 || F == 0) return 0;
-  dz_amax_kernel<<<dim3(Tr / kTok, F / kFeat), kThreads, 0, stream>>>(
+  const dim3 grid = bands_fastest ? dim3(F / kFeat, Tr / kTok) : dim3(Tr / kTok, F / kFeat);
+  dz_amax_kernel<<<grid, kThreads, 0, stream>>>(
       static_cast<const uint16_t*>(a24v), static_cast<const uint16_t*>(a24m), static_cast<const uint16_t*>(da), order,
-      static_cast<uint32_t*>(row_amax), static_cast<uint32_t*>(col_amax), T, F, stride_da);
+      static_cast<uint32_t*>(row_amax), static_cast<uint32_t*>(col_amax), T, F, stride_da, bands_fastest);
   return (int)cudaGetLastError();
 }
 
