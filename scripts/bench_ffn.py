@@ -25,7 +25,6 @@ import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from srelu24_kernels.cusparselt.layout import decompress  # noqa: E402
-from srelu24_kernels.float8 import sparse as fp8_sparse  # noqa: E402
 from srelu24_kernels.cusparselt.binding import searched_alg, sparse_mm  # noqa: E402
 from srelu24_kernels.srelu24.op import OpOptions, ffn, ffn_backward, ffn_forward, keeps_a24  # noqa: E402
 from srelu24_kernels.srelu24.sparsify_backward import (a24_usable, backward_operands, backward_operands_from_a24,  # noqa: E402
@@ -251,30 +250,7 @@ def backward_kernels(D: int, Fh: int, T: int, density=None) -> dict:
             flat(backward_operands_from_a24(a24, da, perm, dense)), want))
         out["cuda_a24_ms"] = bench(lambda: backward_operands_from_a24(a24, da, perm, dense))
         out["cuda_speedup"] = out["triton_ms"] / out["cuda_ms"]
-        if fp8_sparse.available(z.device) and T % 64 == 0:  # e4m3 2:4 GEMMs: dZ, S(dZ)^T written so, or converted
-            out.update(backward_e4m3(a24, da, perm, dense))
     return out
-
-
-def backward_e4m3(a24, da, perm, dense) -> dict:
-    """The e4m3 2:4 GEMMs' dZ and S(dZ)^T: converted from the pass's bf16 buffers (two
-    compressed_to_e4m3 after it), against written in e4m3 by the pass after a pass of loads that
-    takes their row maxima (dz_e4m3): equal bytes, and the time of each."""
-    T, Fh = da.shape
-
-    def converted():
-        dz, _, (g, _) = backward_operands_from_a24(a24, da, perm, dense)
-        return fp8_sparse.compressed_to_e4m3(dz, T, Fh), fp8_sparse.compressed_to_e4m3(g, Fh, T)
-
-    def written():
-        dz, _, (g, _) = backward_operands_from_a24(a24, da, perm, dense, dz_e4m3=True)
-        return dz, g
-
-    def flat(r):  # values and scales of both, as bytes
-        return [t.view(torch.uint8) for pair in r for t in pair]
-
-    return {"e4m3_written_equals_converted": all(torch.equal(a, b) for a, b in zip(flat(written()), flat(converted()))),
-            "e4m3_converted_ms": bench(converted), "e4m3_written_ms": bench(written)}
 
 
 def host_ms(fn, n: int = 50) -> float:

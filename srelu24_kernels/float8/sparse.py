@@ -262,24 +262,20 @@ def _sparse_product(buf: Tensor | None, b8: Tensor, sb: Tensor, transpose_result
                    accumulate_into=accumulate_into)
 
 
-def sparse_mm(buf: Tensor | None, b: Tensor, transpose_result: bool = False,
-              b_e4m3: tuple[Tensor, Tensor] | None = None, a_e4m3: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False,
+              b_e4m3: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """A @ B in e4m3, bf16 out, for A given as its bf16 compressed buffer ([m, 9k/16]) and B [k, n]
     in bf16 or fp32; transpose_result: (A @ B)^T [n, m]. Same contract as srelu24_kernels.srelu24.op.sparse_mm.
-    b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's, kept for an optimizer step: srelu24_kernels/srelu24/options.py).
-    a_e4m3: compressed_to_e4m3(buf)'s (values, row scales), where the caller has them (dZ, written in
-    e4m3 by the backward's pass); buf is not read then."""
-    return _sparse_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), transpose_result, a_e4m3=a_e4m3)
+    b_e4m3: kmajor_e4m3(b), where the caller has it already (a weight's, kept for an optimizer step: srelu24_kernels/srelu24/options.py)."""
+    return _sparse_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), transpose_result)
 
 
-def scaled_sparse_mm(buf: Tensor | None, b: Tensor, b_e4m3: tuple[Tensor, Tensor] | None = None,
-                     a_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def scaled_sparse_mm(buf: Tensor, b: Tensor, b_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """sparse_mm(buf, b) before its unscaling pass: (y, row scales, column scales), y bf16 [m, n]
     such that sparse_mm's product is `unscaled(y, row_scale, col_scale)`. For a caller that does
     the unscaling inside a compiled graph, where it fuses into the product's consumer (the residual
-    add, the norm's backward: srelu24_kernels/srelu24/op.py) instead of a pass of its own. a_e4m3 as
-    sparse_mm's."""
-    return _scaled_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), False, a_e4m3)
+    add, the norm's backward: srelu24_kernels/srelu24/op.py) instead of a pass of its own."""
+    return _scaled_product(buf, *(b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)), False)
 
 
 def unscaled(y: Tensor, row_scale: Tensor, col_scale: Tensor) -> Tensor:

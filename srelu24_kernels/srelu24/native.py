@@ -57,7 +57,7 @@ class NativeLibrary:
             return False
 
 
-KERNELS = NativeLibrary("srelu24_kernels.so", "SRELU24_KERNELS_LIB", "srelu24_kernels_abi_version", 5,
+KERNELS = NativeLibrary("srelu24_kernels.so", "SRELU24_KERNELS_LIB", "srelu24_kernels_abi_version", 4,
                         "CUDA sparsify kernels", "make kernels")
 
 

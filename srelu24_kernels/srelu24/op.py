@@ -12,8 +12,7 @@ Same function as srelu24_kernels.srelu24.reference.srelu24_ffn (its reference), 
               in e4m3 mode, A24's column maxima too (_fuses_a24_cast)
     backward  dA = dY W2                 dense (float8 as Z)
               the three sparse operands from one pass over A24 (or Z) and dA (sparsify_backward.py),
-              S(A24)^T straight in e4m3 where the forward took A24's column maxima, dZ and
-              S(dZ)^T where a pass of loads took theirs
+              S(A24)^T straight in e4m3 where the forward took A24's column maxima
               dX = dZ W1                 sparse: dZ compressed at the forward's positions
                                          (a dense GEMM when reuse_forward_mask is off)
               dW2 = dY^T S(A24)          sparse: S()^T tokens permuted, the dense features zeroed there
@@ -42,11 +41,6 @@ The backward's modes, and who sets them:
                                   tokens a multiple of 64                   column maxima, from which the backward's
                                   (_fuses_a24_cast)                         pass writes dW2's A in e4m3 (no bf16
                                                                             copy, no conversion pass)
-    dZ, S(dZ)^T written in e4m3   A24 kept, e4m3, tokens a multiple of 64   a pass of loads over A24 and dA takes
-                                  (_writes_dz_e4m3)                         their row maxima, from which the
-                                                                            backward's pass writes dX's and dW1's
-                                                                            A in e4m3 (no bf16 copies, no
-                                                                            conversion passes)
 
 Weights: bf16, or in e4m3 mode fp32 as the model keeps them (every use of a weight there is an e4m3
 conversion that reads fp32, and the weight gradients are written in fp32, so autograd casts
@@ -130,12 +124,9 @@ def _dense_mm(a: Tensor, b: Tensor, float8: str, grad: bool, converted=None, a_c
     return fp8_gemm.mm(a, b, float8, grad, b_float8=converted, a_float8=a_converted)
 
 
-def _sparse_mm(a, b: Tensor, e4m3: bool, transpose_result: bool = False, converted=None) -> Tensor:
+def _sparse_mm(a: Tensor, b: Tensor, e4m3: bool, transpose_result: bool = False, converted=None) -> Tensor:
     """A @ B with A compressed, in e4m3 where asked and the shapes allow it (rows and reduction
-    multiples of 64), else in bf16. a: a compressed bf16 buffer, or one already in e4m3 as (values,
-    row scales) (dZ from the backward's pass: always an e4m3 product)."""
-    if isinstance(a, tuple):
-        return fp8_sparse.sparse_mm(None, b, transpose_result, b_e4m3=converted, a_e4m3=a)
+    multiples of 64), else in bf16."""
     if e4m3 and fp8_sparse.usable(a, b):
         return fp8_sparse.sparse_mm(a, b, transpose_result, b_e4m3=converted)
     return sparse_mm(a, b.to(torch.bfloat16), transpose_result)
@@ -234,17 +225,15 @@ def _(x, w1, w2, weights, grad_w1, grad_w2, collect_stats, keep_a24, token_permu
 # ------------------------------------------------------------------ backward
 
 class _SparseOperands(NamedTuple):
-    # each compressed operand bf16, or e4m3 as (values, row scales) where the backward's pass wrote it so
-    dz: Tensor | tuple                 # dZ compressed at the forward's positions, rows permuted
-    a_tokens: tuple                    # S(A24)^T, A24^T of the dense features
-    dz_tokens: tuple                   # S(dZ)^T, and dZ^T of the dense features
+    dz: Tensor                         # dZ compressed at the forward's positions, rows permuted
+    a_tokens: tuple                    # S(A24)^T (bf16, or e4m3 as (values, row scales)), A24^T of the dense features
+    dz_tokens: tuple[Tensor, Optional[Tensor]]  # S(dZ)^T, and dZ^T of the dense features
 
 
 def _sparse_operands(saved: Tensor, saved_a24: bool, da: Tensor, perm, dense, slots,
-                     reuse_forward_mask: bool, a_amax: Optional[Tensor] = None, dz_e4m3: bool = False) -> _SparseOperands:
+                     reuse_forward_mask: bool, a_amax: Optional[Tensor] = None) -> _SparseOperands:
     if saved_a24:
-        return _SparseOperands(*backward_operands_from_a24(saved, da, perm, dense, slots=slots, a_amax=a_amax,
-                                                           dz_e4m3=dz_e4m3))
+        return _SparseOperands(*backward_operands_from_a24(saved, da, perm, dense, slots=slots, a_amax=a_amax))
     return _SparseOperands(*backward_operands(saved, da, perm, dense, reuse_forward_mask, slots=slots))
 
 
@@ -254,8 +243,7 @@ def _input_grad(ops: _SparseOperands, saved: Tensor, da: Tensor, w1: Tensor, per
     scaled, its row and column scales)."""
     if deferred:  # _defers_unscaling(backward=True): dZ 2:4, no order of the op's to undo
         assert perm is None and o.recipe.reuse_forward_mask
-        dz = {"a_e4m3": ops.dz} if isinstance(ops.dz, tuple) else {}
-        dx, rows, cols = fp8_sparse.scaled_sparse_mm(None if dz else ops.dz, w1, b_e4m3=kept and kept.for_dx, **dz)
+        dx, rows, cols = fp8_sparse.scaled_sparse_mm(ops.dz, w1, b_e4m3=kept and kept.for_dx)
         return dx[:T], (rows[:T], cols.clone() if kept else cols)  # a kept conversion's is an input: not aliased
     if not o.recipe.reuse_forward_mask:  # dZ is not 2:4 then: a dense GEMM (the ablation), from Z
         return (da * (2 * F.relu(saved))) @ w1.to(torch.bfloat16), None
@@ -312,15 +300,7 @@ def _fuses_a24_cast(T: int, F_: int, o: OpOptions, device, keep_a24: bool, colle
             and fp8_sparse.available(device))
 
 
-def _writes_dz_e4m3(T: int, F_: int, o: OpOptions, device, saved_a24: bool) -> bool:
-    """Whether the backward's pass writes dZ and S(dZ)^T, dX's and dW1's A, straight in e4m3
-    (backward_operands_from_a24's dz_e4m3): the same bytes as converting their bf16 buffers, from
-    row maxima that a pass of loads takes first. Where A24 was saved (the CUDA kernels), the 2:4
-    GEMMs are e4m3 and both operands fit the e4m3 layout (T and F multiples of 64)."""
-    return saved_a24 and o.e4m3 and T % 64 == 0 and F_ % 64 == 0 and fp8_sparse.available(device)
-
-
-def _defers_unscaling(a, b: Tensor, o: OpOptions, asked: bool, backward: bool = False) -> bool:
+def _defers_unscaling(a: Tensor, b: Tensor, o: OpOptions, asked: bool, backward: bool = False) -> bool:
     """Whether Y = A24 W2^T (or, backward, dX = dZ W1) leaves the op still scaled, with its row and
     column scales: where the caller asked (inside a compiled graph: `ffn`) and that product is an
     e4m3 2:4 GEMM (fp8_sparse.usable of its compressed A and its B: an sm90 GPU, F a multiple of 64).
@@ -330,7 +310,7 @@ def _defers_unscaling(a, b: Tensor, o: OpOptions, asked: bool, backward: bool = 
     back). The fakes ask with stand-ins for A of its shape."""
     if backward and not (o.recipe.reuse_forward_mask and not o.recipe.token_permutation):
         return False
-    return asked and o.e4m3 and (isinstance(a, tuple) or fp8_sparse.usable(a, b))  # a tuple: A already in e4m3
+    return asked and o.e4m3 and fp8_sparse.usable(a, b)
 
 
 def _compressed_like(x: Tensor, F_: int) -> Tensor:
@@ -388,8 +368,7 @@ def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved:
     slots = dense_slots(dense, F_, dy.device)[0] if dense is not None else None
     if a24_amax is not None and not saved_a24:
         raise ValueError("srelu24::ffn_backward: A24's column maxima come with A24 saved (saved_a24)")
-    ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask, a24_amax,
-                           _writes_dz_e4m3(T, F_, o, dy.device, saved_a24))
+    ops = _sparse_operands(saved, saved_a24, da, perm, dense, slots, reuse_forward_mask, a24_amax)
     dx, dx_scales = _input_grad(ops, saved, da, w1, perm, T, o, kept,
                                 _defers_unscaling(ops.dz, w1, o, defer_unscaling, backward=True))
     dx_rows, dx_cols = dx_scales or (dx.new_empty(0, dtype=torch.float32), dx.new_empty(0, dtype=torch.float32))

@@ -212,10 +212,7 @@ def cuda_usable(z: Tensor, da: Tensor, reuse_forward_mask: bool = True) -> bool:
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _CUDA_ARGS = [_P] * 12 + [_I, _I, _I, _I, _I64, _I64]
-_CUDA_A24_ARGS = [_P] * 19 + [_I, _I, _I, _I, _I64]
-_CUDA_DZ_AMAX_ARGS = [_P] * 6 + [_I, _I, _I, _I64, _I]
-# the pass of loads runs its blocks bands first (whole token rows read together) or token blocks first
-DZ_AMAX_BANDS_FASTEST = True
+_CUDA_A24_ARGS = [_P] * 15 + [_I, _I, _I, _I, _I64]
 
 
 def _token_order(perm: Optional[Tensor], T: int, device) -> Tensor:
@@ -235,21 +232,19 @@ def _checked_slots(slots: Optional[Tensor], dense: Optional[Tensor], Fh: int, de
     return slots, dense.numel()
 
 
-def _outputs(Tr: int, Tp: int, Fh: int, k: int, reuse_forward_mask: bool, device, a_e4m3: bool = False,
-             dz_e4m3: bool = False):
+def _outputs(Tr: int, Tp: int, Fh: int, k: int, reuse_forward_mask: bool, device, a_e4m3: bool = False):
     """The pass's output buffers: dZ's (values then metadata; a stub without the forward mask),
-    and (compressed, dense rows) for each token-dimension operand. An operand written in e4m3
-    (a_e4m3: S(A24)^T; dz_e4m3: dZ's and S(dZ)^T) gets its compressed buffer as e4m3 bytes, uint8."""
-    def compressed(rows: int, cols: int, e4m3: bool) -> Tensor:
-        return (empty_compressed(compressed_bytes_e4m3(rows, cols), torch.uint8, device) if e4m3
-                else empty_compressed(compressed_numel(rows, cols), torch.bfloat16, device))
-
+    and (compressed, dense rows) for each token-dimension operand (a_e4m3: S(A24)^T's compressed
+    buffer as e4m3 bytes, uint8)."""
     # without the forward mask dZ is not 2:4 and the kernel writes no feature-dimension operand
-    dz_buf = compressed(Tr, Fh, dz_e4m3) if reuse_forward_mask else empty_compressed(64, torch.bfloat16, device)
+    dz_buf = empty_compressed(compressed_numel(Tr, Fh) if reuse_forward_mask else 64, torch.bfloat16, device)
     outs = []
-    for e4m3 in (a_e4m3, dz_e4m3):
+    for i in range(2):
         # every column < Tp of the dense rows is written (padding tokens as zeros)
-        outs.append((compressed(Fh, Tp, e4m3), torch.empty(max(k, 1), Tp, dtype=torch.bfloat16, device=device)))
+        full = torch.empty(max(k, 1), Tp, dtype=torch.bfloat16, device=device)
+        buf = (empty_compressed(compressed_bytes_e4m3(Fh, Tp), torch.uint8, device) if a_e4m3 and i == 0
+               else empty_compressed(compressed_numel(Fh, Tp), torch.bfloat16, device))
+        outs.append((buf, full))
     return dz_buf, outs
 
 
@@ -319,8 +314,7 @@ def a24_usable(device, Fh: int, reuse_forward_mask: bool = True) -> bool:
 
 
 def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], dense: Optional[Tensor],
-                               slots: Optional[Tensor] = None, a_amax: Optional[Tensor] = None,
-                               dz_e4m3: bool = False):
+                               slots: Optional[Tensor] = None, a_amax: Optional[Tensor] = None):
     """backward_operands, reading the forward's compressed A24 (srelu_sparsify_2to4's buffer for the
     same T tokens, [padded(T, ROWS_PER_BAND), 9F/16]) instead of Z: the FFN then keeps A24 (9/16 of Z's
     bytes) for its backward, and the pass reads about 190 MiB less at 7B, T=16384. The CUDA
@@ -333,22 +327,14 @@ def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], 
     multiple of 64): S(A24)^T then comes in e4m3, as (values [F, 5T/8] float8_e4m3fn, row scales [F]
     float32) in place of its bf16 buffer: the bytes fp8_sparse.compressed_to_e4m3 makes of that
     buffer (the same call without a_amax), in the same pass. A row's amax is its feature's maximum, since
-    2:4 along tokens keeps each group's largest value; a dense feature's row is zeros.
-
-    dz_e4m3 (T a multiple of 64): dZ's operand and S(dZ)^T come in e4m3 as well, each as (values,
-    row scales), the bytes compressed_to_e4m3 makes of their bf16 buffers. Their row maxima are not
-    known before the pass that writes them (a row of dZ spans every feature band, one of S(dZ)^T
-    every token block), so a pass of loads over A24 and dA takes them first: it reads what the pass
-    reads, and saves writing the two bf16 buffers and converting them (each read, then written in e4m3)."""
+    2:4 along tokens keeps each group's largest value; a dense feature's row is zeros."""
     T, Fh = da.shape
     Tr, Tp = padded(T, ROWS_PER_BAND), padded(T, COLS_PER_CHUNK)
-    if (a_amax is not None or dz_e4m3) and T % E4M3_COLS_PER_CHUNK:
-        raise ValueError(f"backward_operands_from_a24 writes e4m3 operands (a_amax, dz_e4m3) for tokens a multiple of "
-                         f"{E4M3_COLS_PER_CHUNK} (the e4m3 layout), got {T} tokens")
-    if a_amax is not None and (tuple(a_amax.shape) != (Fh,) or a_amax.dtype != torch.float32
+    if a_amax is not None and (T % E4M3_COLS_PER_CHUNK or tuple(a_amax.shape) != (Fh,) or a_amax.dtype != torch.float32
                                or not a_amax.is_contiguous() or a_amax.device != da.device):
-        raise ValueError(f"backward_operands_from_a24: a_amax must be a contiguous float32 [{Fh}] on {da.device}; "
-                         f"got {a_amax.dtype} {tuple(a_amax.shape)} on {a_amax.device}")
+        raise ValueError(f"backward_operands_from_a24: a_amax must be a contiguous float32 [{Fh}] on {da.device} and the "
+                         f"tokens a multiple of {E4M3_COLS_PER_CHUNK} (the e4m3 layout); got {a_amax.dtype} "
+                         f"{tuple(a_amax.shape)} on {a_amax.device}, {T} tokens")
     if tuple(a24.shape) != (Tr, Fh * 9 // 16) or a24.dtype != torch.bfloat16 or not a24.is_contiguous():
         raise ValueError(f"backward_operands_from_a24 needs A24 as srelu_sparsify_2to4 writes it for dA's {T} tokens: "
                          f"bf16 [{Tr}, {Fh * 9 // 16}], contiguous; got {a24.dtype} {tuple(a24.shape)}")
@@ -361,39 +347,18 @@ def backward_operands_from_a24(a24: Tensor, da: Tensor, perm: Optional[Tensor], 
                          f"GPU, F % 64 == 0 and 16-byte aligned rows; backward_operands(z, ...) runs anywhere")
     order = _token_order(perm, T, da.device)
     slots, k = _checked_slots(slots, dense, Fh, da.device)
-    dz_buf, outs = _outputs(Tr, Tp, Fh, k, True, da.device, a_e4m3=a_amax is not None, dz_e4m3=dz_e4m3)
+    dz_buf, outs = _outputs(Tr, Tp, Fh, k, True, da.device, a_e4m3=a_amax is not None)
     (a_buf, a_full), (g_buf, g_full) = outs
     a_scale = torch.empty(Fh, dtype=torch.float32, device=da.device) if a_amax is not None else None
-    dz_amax = dz_scale = g_amax = g_scale = None
-    if dz_e4m3:
-        amax = torch.zeros(Tr + Fh, dtype=torch.float32, device=da.device)  # one fill for both
-        dz_amax, g_amax = amax[:Tr], amax[Tr:]
-        scale = torch.empty(Tr + Fh, dtype=torch.float32, device=da.device)
-        dz_scale, g_scale = scale[:Tr], scale[Tr:]
-        launch("srelu24_dz_amax_a24", _CUDA_DZ_AMAX_ARGS, *(t.data_ptr() for t in (
-            a24, _meta(a24, Tr, Fh), da, order, dz_amax, g_amax)), T, Tr, Fh, da.stride(0), int(DZ_AMAX_BANDS_FASTEST),
-            device=da.device)
-
-    def meta(buf, rows, cols, e4m3):  # e4m3: the metadata bytes after the values
-        return buf[rows * cols // 2:] if e4m3 else _meta(buf, rows, cols)
-
-    def ptr(t):
-        return None if t is None else t.data_ptr()
-
+    a_meta = a_buf[Fh * Tp // 2:] if a_amax is not None else _meta(a_buf, Fh, Tp)  # e4m3: bytes after the values
     launch("srelu24_backward_operands_a24", _CUDA_A24_ARGS, *(t.data_ptr() for t in (
-        a24, _meta(a24, Tr, Fh), da, order, slots, dz_buf, meta(dz_buf, Tr, Fh, dz_e4m3), a_buf,
-        meta(a_buf, Fh, Tp, a_amax is not None), a_full, g_buf, meta(g_buf, Fh, Tp, dz_e4m3), g_full)),
-        *(ptr(t) for t in (a_amax, a_scale, dz_amax, dz_scale, g_amax, g_scale)), T, Tp, Tr, Fh, da.stride(0),
-        device=da.device)
-    dz, (a_op, a_full), (g_op, g_full) = _results(dz_buf, outs, Tr, Fh, k, True)
-    def as_e4m3(buf, rows, scale):
-        return buf.view(torch.float8_e4m3fn).view(rows, -1), scale
-
+        a24, _meta(a24, Tr, Fh), da, order, slots, dz_buf, _meta(dz_buf, Tr, Fh), a_buf, a_meta, a_full,
+        g_buf, _meta(g_buf, Fh, Tp), g_full)), None if a_amax is None else a_amax.data_ptr(),
+        None if a_scale is None else a_scale.data_ptr(), T, Tp, Tr, Fh, da.stride(0), device=da.device)
+    dz, (a_op, a_full), g = _results(dz_buf, outs, Tr, Fh, k, True)
     if a_amax is not None:
-        a_op = as_e4m3(a_buf, Fh, a_scale)
-    if dz_e4m3:
-        dz, g_op = as_e4m3(dz_buf, Tr, dz_scale), as_e4m3(g_buf, Fh, g_scale)
-    return dz, (a_op, a_full), (g_op, g_full)
+        a_op = (a_buf.view(torch.float8_e4m3fn).view(Fh, -1), a_scale)
+    return dz, (a_op, a_full), g
 
 
 @triton.jit

@@ -14,9 +14,7 @@
 //             zeroed there and written exactly to [k, Tp] buffers. Where given the forward's maxima,
 //             S(A24)^T is written in e4m3 (values scaled per row, e4m3 metadata layout), as
 //             srelu24_kernels/float8/sparse.py's compressed_to_e4m3 would convert the bf16 one: 2:4
-//             along tokens keeps each group's largest value, so a row's amax is the feature's maximum.
-//             Where given dZ's row maxima (a pass of loads before: dz_amax_kernel), dZ's operand and
-//             S(dZ)^T likewise
+//             along tokens keeps each group's largest value, so a row's amax is the feature's maximum
 //
 // Why CUDA: the Triton backward kernel is instruction-bound (high SM issue, low DRAM throughput;
 // benchmarks/RESULTS.md). cuSPARSELt's 2:4 metadata layout packs nibbles of rows 8 apart and of
@@ -148,101 +146,6 @@ __device__ __forceinline__ uint32_t e4m3x2(uint32_t pair, float s) {
   return (uint32_t)__nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3);
 }
 
-// Group e (0, 1) of a row of this thread's 8 features, read from A24 (zq: its kept pair .x/.y, the
-// nibbles .z, as backward_operands_kernel loads them) and dA (dq, 8 bf16): the forward's kept
-// positions p0 < p1, A24's values there (v0, v1) and dZ's (g0, g1 = bf16(dA 2 relu(z)), rounded once).
-struct KeptDz {
-  uint32_t nib, p0, p1, v0, v1, g0, g1;
-};
-
-__device__ __forceinline__ KeptDz kept_dz(const uint4& zq, const uint4& dq, int e) {
-  KeptDz k;
-  const uint32_t pair = e ? zq.y : zq.x;
-  k.nib = (zq.z >> (4 * e)) & 0xF;
-  k.p0 = k.nib & 3;
-  k.p1 = k.nib >> 2;
-  k.v0 = pair & 0xFFFF;
-  k.v1 = pair >> 16;
-  const uint32_t d0 = half_of(dq, 4 * e), d1 = half_of(dq, 4 * e + 1);
-  const uint32_t d2 = half_of(dq, 4 * e + 2), d3 = half_of(dq, 4 * e + 3);
-  const float r0 = relu_from_a24(k.v0), r1 = relu_from_a24(k.v1);
-  k.g0 = float_to_bf16(bf16_to_float(k.p0 == 0 ? d0 : k.p0 == 1 ? d1 : d2) * (2.0f * r0));
-  k.g1 = float_to_bf16(bf16_to_float(k.p1 == 3 ? d3 : k.p1 == 2 ? d2 : d1) * (2.0f * r1));
-  return k;
-}
-
-// The row pass's loads from A24 and dA: rows L.row(j) of the 64-token block at tok0 (gathered through
-// the token order; padding tokens as zeros), this thread's 8 features of band `band`.
-__device__ __forceinline__ void load_a24_rows(const uint16_t* __restrict__ a24v, const uint16_t* __restrict__ a24m,
-                                              const uint16_t* __restrict__ da, const int* __restrict__ order,
-                                              int tok0, int band, int T, int F, int64_t stride_da,
-                                              const RowLayout& L, uint4 (&zq)[4], uint4 (&dq)[4]) {
-  const int64_t col = (int64_t)band * kFeat + 8 * L.o;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {  // all loads first: 8 x 16 bytes in flight per thread
-    const int tok = tok0 + L.row(j);
-    zq[j] = dq[j] = make_uint4(0, 0, 0, 0);
-    if (tok < T) {
-      const int64_t src = order[tok];
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(a24v + src * (F / 2) + (int64_t)band * (kFeat / 2) + 4 * L.o));
-      zq[j] = make_uint4(v.x, v.y, a24_nibbles(a24m, src, F, band, L), 0);
-      dq[j] = __ldg(reinterpret_cast<const uint4*>(da + src * stride_da + col));
-    }
-  }
-}
-
-// The maxima the backward's e4m3 operands need before their first value is written (a row's
-// power-of-2 scale comes from its amax): row_amax[i] of dZ's operand row i (token order[i], over
-// the features), col_amax[f] of S(dZ)^T's row f (feature f, over the tokens: 2:4 along tokens keeps
-// each group's largest magnitude). Both of the masked dZ, as float32 bits of |dZ| (bf16 bits << 16),
-// atomically maxed into buffers the caller zeroed. A pass of loads only, over A24 and dA; the pass
-// after it writes dZ and S(dZ)^T in e4m3 without their bf16 buffers or the conversion passes.
-__global__ void __launch_bounds__(kThreads) dz_amax_kernel(
-    const uint16_t* __restrict__ a24v, const uint16_t* __restrict__ a24m, const uint16_t* __restrict__ da,
-    const int* __restrict__ order, uint32_t* __restrict__ row_amax, uint32_t* __restrict__ col_amax, int T, int F,
-    int64_t stride_da, int bands_fastest) {
-  __shared__ uint32_t s_col[kThreads / 32][kFeat];
-  const int tok0 = (bands_fastest ? blockIdx.y : blockIdx.x) * kTok, band = bands_fastest ? blockIdx.x : blockIdx.y;
-  const RowLayout L(threadIdx.x);
-  uint4 zq[4], dq[4];
-  load_a24_rows(a24v, a24m, da, order, tok0, band, T, F, stride_da, L, zq, dq);
-  uint32_t cmax[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // |dZ| bits of this thread's 8 features over its 4 rows
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    uint32_t rmax = 0;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const KeptDz k = kept_dz(zq[j], dq[j], e);
-      const uint32_t m0 = k.g0 & 0x7FFF, m1 = k.g1 & 0x7FFF;
-      rmax = max(rmax, max(m0, m1));
-#pragma unroll
-      for (int q = 0; q < 4; ++q)  // selects, not an indexed register array (which would go to local memory)
-        cmax[4 * e + q] = max(cmax[4 * e + q], max(k.p0 == q ? m0 : 0u, k.p1 == q ? m1 : 0u));
-    }
-    // the row's 64 features are the 8 lanes of consecutive o
-    rmax = max(rmax, __shfl_xor_sync(0xFFFFFFFFu, rmax, 1));
-    rmax = max(rmax, __shfl_xor_sync(0xFFFFFFFFu, rmax, 2));
-    rmax = max(rmax, __shfl_xor_sync(0xFFFFFFFFu, rmax, 4));
-    if (L.o == 0 && rmax) atomicMax(row_amax + tok0 + L.row(j), rmax << 16);
-  }
-  // a feature's 64 rows: lanes 8 and 16 apart in a warp, then the 4 warps through shared memory
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    cmax[i] = max(cmax[i], __shfl_xor_sync(0xFFFFFFFFu, cmax[i], 8));
-    cmax[i] = max(cmax[i], __shfl_xor_sync(0xFFFFFFFFu, cmax[i], 16));
-  }
-  if (lane < 8) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s_col[warp][8 * lane + i] = cmax[i];
-  }
-  __syncthreads();
-  if (threadIdx.x < kFeat) {
-    const uint32_t m = max(max(s_col[0][threadIdx.x], s_col[1][threadIdx.x]), max(s_col[2][threadIdx.x], s_col[3][threadIdx.x]));
-    if (m) atomicMax(col_amax + (int64_t)band * kFeat + threadIdx.x, m << 16);
-  }
-}
-
 // kFromA24: the row pass reads the forward's compressed A24 (values + metadata) instead of Z, so the
 // FFN keeps 9/16 of Z's bytes for its backward; relu(z) comes back exactly (relu_from_a24) and the
 // kept positions are the forward's own.
@@ -252,9 +155,8 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
     const int* __restrict__ order,
     const int* __restrict__ slots, uint16_t* __restrict__ dzv, uint16_t* __restrict__ dzm, uint16_t* __restrict__ av,
     uint16_t* __restrict__ am, uint16_t* __restrict__ afull, uint16_t* __restrict__ gv, uint16_t* __restrict__ gm,
-    uint16_t* __restrict__ gfull, const uint32_t* __restrict__ a_amax, float* __restrict__ a_scale,
-    const uint32_t* __restrict__ dz_amax, float* __restrict__ dz_scale, const uint32_t* __restrict__ g_amax,
-    float* __restrict__ g_scale, int T, int Tp, int F, int64_t stride_z, int64_t stride_da) {
+    uint16_t* __restrict__ gfull, const uint32_t* __restrict__ a_amax, float* __restrict__ a_scale, int T, int Tp,
+    int F, int64_t stride_z, int64_t stride_da) {
   // masked A24 and dZ tiles, [token][feature], for the token-dimension operands
   __shared__ __align__(16) uint16_t s_tile[2][kTok][kFeat];
 
@@ -270,27 +172,23 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
   // ---- row pass: Z and dA rows (gathered through the token order), dZ's operand, the masked tiles ----
   {
     const RowLayout L(t);
+    const int64_t col = (int64_t)band * kFeat + 8 * L.o;
     uint4 zq[4], dq[4];  // kFromA24: zq[j].x, .y the kept pairs of groups 2o, 2o + 1, .z their nibbles
-    if constexpr (kFromA24) {
-      load_a24_rows(z, a24m, da, order, tok0, band, T, F, stride_da, L, zq, dq);
-    } else {
-      const int64_t col = (int64_t)band * kFeat + 8 * L.o;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {  // all loads first: 8 x 16 bytes in flight per thread
-        const int tok = tok0 + L.row(j);
-        zq[j] = dq[j] = make_uint4(0, 0, 0, 0);  // padding tokens read as zeros
-        if (tok < T) {
-          const int64_t src = order[tok];
+    for (int j = 0; j < 4; ++j) {  // all loads first: 8 x 16 bytes in flight per thread
+      const int tok = tok0 + L.row(j);
+      zq[j] = dq[j] = make_uint4(0, 0, 0, 0);  // padding tokens read as zeros
+      if (tok < T) {
+        const int64_t src = order[tok];
+        if constexpr (kFromA24) {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(z + src * (F / 2) + (int64_t)band * (kFeat / 2) + 4 * L.o));
+          zq[j] = make_uint4(v.x, v.y, a24_nibbles(a24m, src, F, band, L), 0);
+        } else {
           zq[j] = __ldg(reinterpret_cast<const uint4*>(z + src * stride_z + col));
-          dq[j] = __ldg(reinterpret_cast<const uint4*>(da + src * stride_da + col));
         }
+        dq[j] = __ldg(reinterpret_cast<const uint4*>(da + src * stride_da + col));
       }
     }
-    // dZ's operand in e4m3 (dz_amax given, the a24 variant only): each row's scale from its maximum
-    const bool dz_e4m3 = kFromA24 && dz_amax != nullptr;
-    float dz_s[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) dz_s[j] = dz_e4m3 ? pow2_scale(__ldg(dz_amax + tok0 + L.row(j))) : 0.0f;
 #pragma unroll
     for (int ci = 0; ci < 2; ++ci) {
       uint32_t part[2] = {0, 0};
@@ -303,8 +201,13 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
           // Padding rows (zeros, nibble 0) give zeros and nibble (0, 1), as from Z.
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const KeptDz kd = kept_dz(zq[j], dq[j], e);
-            const uint32_t nib = kd.nib, p0 = kd.p0, p1 = kd.p1, v0 = kd.v0, v1 = kd.v1, g0 = kd.g0, g1 = kd.g1;
+            const uint32_t pair = e ? zq[j].y : zq[j].x, nib = (zq[j].z >> (4 * e)) & 0xF;
+            const uint32_t p0 = nib & 3, p1 = nib >> 2, v0 = pair & 0xFFFF, v1 = pair >> 16;
+            const uint32_t d0 = half_of(dq[j], 4 * e), d1 = half_of(dq[j], 4 * e + 1);
+            const uint32_t d2 = half_of(dq[j], 4 * e + 2), d3 = half_of(dq[j], 4 * e + 3);
+            const float r0 = relu_from_a24(v0), r1 = relu_from_a24(v1);
+            const uint32_t g0 = float_to_bf16(bf16_to_float(p0 == 0 ? d0 : p0 == 1 ? d1 : d2) * (2.0f * r0));
+            const uint32_t g1 = float_to_bf16(bf16_to_float(p1 == 3 ? d3 : p1 == 2 ? d2 : d1) * (2.0f * r1));
             kept[e] = g0 | (g1 << 16);
             part[e] |= (nib ? nib : 4u) << (4 * b + 8 * L.h);  // a padding row's zero nibble: (0, 1)
             ma[2 * e] = (p0 == 0 ? v0 : 0u) | ((p0 == 1 ? v0 : p1 == 1 ? v1 : 0u) << 16);
@@ -333,33 +236,15 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
             md[2 * e + 1] = (sel.k2 ? dg[2] : 0u) | ((sel.k3 ? dg[3] : 0u) << 16);
           }
         }
-        if (dz_e4m3) {  // 4 bytes a row, 8 lanes a 32-byte sector
-          uint8_t* row8 = reinterpret_cast<uint8_t*>(dzv) + (int64_t)(tok0 + r) * (F / 2) + band * (kFeat / 2) + 4 * L.o;
-          *reinterpret_cast<uint32_t*>(row8) = e4m3x2(kept[0], dz_s[j]) | e4m3x2(kept[1], dz_s[j]) << 16;
-          if (band == 0 && L.o == 0) dz_scale[tok0 + r] = dz_s[j];
-        } else {
-          *reinterpret_cast<uint2*>(dzv + (int64_t)(tok0 + r) * (F / 2) + (int64_t)band * (kFeat / 2) + 4 * L.o) =
-              make_uint2(kept[0], kept[1]);
-        }
+        *reinterpret_cast<uint2*>(dzv + (int64_t)(tok0 + r) * (F / 2) + (int64_t)band * (kFeat / 2) + 4 * L.o) =
+            make_uint2(kept[0], kept[1]);
         *reinterpret_cast<uint4*>(&s_tile[0][r][8 * L.o]) = make_uint4(ma[0], ma[1], ma[2], ma[3]);
         *reinterpret_cast<uint4*>(&s_tile[1][r][8 * L.o]) = make_uint4(md[0], md[1], md[2], md[3]);
       }
-      if (dz_e4m3) {
-        // e4m3 metadata (layout.nibble_index_e4m3): this block's 64 x 64 tile owns 512 bytes; byte
-        // b | (o >> 2) << 1 | (o & 3) << 2 | a << 4 | c << 7 holds the nibbles of groups 2o (low) and
-        // 2o + 1 of row 16c + 8b + a, so this thread's rows b = 0, 1 make one 16-bit word
-        const int sh = 8 * L.h;
-        const uint32_t w16 = ((part[0] >> sh) & 0xF) | ((part[1] >> sh) & 0xF) << 4 |
-                             ((part[0] >> (sh + 4)) & 0xF) << 8 | ((part[1] >> (sh + 4)) & 0xF) << 12;
-        uint8_t* tile8 = reinterpret_cast<uint8_t*>(dzm) + ((int64_t)(tok0 / kTok) * (F / kFeat) + band) * 512;
-        *reinterpret_cast<uint16_t*>(tile8 + ((L.o >> 2) << 1 | (L.o & 3) << 2 | L.a << 4 | (L.cp + 2 * ci) << 7)) =
-            (uint16_t)w16;
-      } else {
-        int m;
-        const uint32_t word = combine_word(part, L, &m);
-        const int64_t tile = (int64_t)(tok0 / kTok) * (F / 32) + band * 2 + (L.o >> 2);
-        dzm[word_index(tile, L.cp + 2 * ci, L.a, m)] = (uint16_t)word;
-      }
+      int m;
+      const uint32_t word = combine_word(part, L, &m);
+      const int64_t tile = (int64_t)(tok0 / kTok) * (F / 32) + band * 2 + (L.o >> 2);
+      dzm[word_index(tile, L.cp + 2 * ci, L.a, m)] = (uint16_t)word;
     }
   }
   __syncthreads();
@@ -371,10 +256,8 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
   uint16_t* val = w ? gv : av;
   uint16_t* meta = w ? gm : am;
   uint16_t* full = w ? gfull : afull;
-  // S(A24)^T in e4m3 where a_amax is given, S(dZ)^T where g_amax is (the a24 variant only): warp-uniform, as w is
-  const uint32_t* row_amax = w ? g_amax : a_amax;
-  float* row_scale = w ? g_scale : a_scale;
-  const bool e4m3 = row_amax != nullptr;
+  // S(A24)^T in e4m3 (a_amax given, the a24 variant only): warp-uniform, as w is
+  const bool e4m3 = w == 0 && a_amax != nullptr;
   uint32_t nib[2][8];
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
@@ -403,8 +286,8 @@ __global__ void __launch_bounds__(kThreads, SRELU24_BW_MIN_BLOCKS) backward_oper
       out[g] = sel.pair(x[0], x[1], x[2], x[3]);
     }
     if (e4m3) {  // the row's scale from the forward's maximum (a dense feature's row is zeros: amax 0)
-      const float s = pow2_scale(slot >= 0 ? 0u : __ldg(row_amax + feat));
-      if (blockIdx.x == 0 && k == 0) row_scale[feat] = s;
+      const float s = pow2_scale(slot >= 0 ? 0u : __ldg(a_amax + feat));
+      if (blockIdx.x == 0 && k == 0) a_scale[feat] = s;
       uint8_t* row8 = reinterpret_cast<uint8_t*>(val) + feat * (Tp / 2) + (int64_t)kc * 16;  // 16 kept values
       *reinterpret_cast<uint4*>(row8) = make_uint4(e4m3x2(out[0], s) | e4m3x2(out[1], s) << 16,
                                                    e4m3x2(out[2], s) | e4m3x2(out[3], s) << 16,
@@ -538,7 +421,7 @@ __global__ void __launch_bounds__(kThreads) srelu_sparsify_kernel(
 extern "C" {
 
 // Bumped whenever an exported signature changes; srelu24_kernels/srelu24/native.py checks it.
-int srelu24_kernels_abi_version() { return 5; }
+int srelu24_kernels_abi_version() { return 4; }
 
 // z: [M, K] bf16 (row stride in elements); val/meta: A24's compressed values and metadata ([Mp, K]
 // with Mp = M padded to 64: padding rows as zeros); counts: [K] int32, zeroed by the caller; amax: null,
@@ -568,7 +451,7 @@ int srelu24_backward_operands(const void* z, const void* da, const int* order, c
       static_cast<const uint16_t*>(z), nullptr, static_cast<const uint16_t*>(da), order, slots,
       static_cast<uint16_t*>(dzv), static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av), static_cast<uint16_t*>(am),
       static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
-      static_cast<uint16_t*>(gfull), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, T, Tp, F, stride_z, stride_da);
+      static_cast<uint16_t*>(gfull), nullptr, nullptr, T, Tp, F, stride_z, stride_da);
   return (int)cudaGetLastError();
 }
 
@@ -577,34 +460,18 @@ int srelu24_backward_operands(const void* z, const void* da, const int* order, c
 // the pass over Z bit for bit wherever every positive z is in [1.1e-19, 1.8e19] (bf16(z^2) normal).
 // a_amax: null, or srelu_sparsify's amax for the same rows: then av/am are S(A24)^T's e4m3 values and
 // metadata ([F, Tp] as compressed_to_e4m3 lays them out, Tp % 64 == 0) and a_scale [F] float32 gets
-// its row scales. dz_amax, g_amax: null, or srelu24_dz_amax_a24's maxima for the same inputs: then
-// dzv/dzm are dZ's operand in e4m3 ([Tr, F]; Tr == T, a multiple of 64) with its row scales in dz_scale [Tr],
-// and gv/gm S(dZ)^T's ([F, Tp]) with g_scale [F] (both or neither).
+// its row scales.
 int srelu24_backward_operands_a24(const void* a24v, const void* a24m, const void* da, const int* order, const int* slots,
                                void* dzv, void* dzm, void* av, void* am, void* afull, void* gv, void* gm, void* gfull,
-                               const void* a_amax, void* a_scale, const void* dz_amax, void* dz_scale,
-                               const void* g_amax, void* g_scale, int T, int Tp, int Tr, int F, int64_t stride_da,
+                               const void* a_amax, void* a_scale, int T, int Tp, int Tr, int F, int64_t stride_da,
                                cudaStream_t stream) {
   if (Tr == 0 || F == 0) return 0;
   backward_operands_kernel<true><<<dim3(Tr / kTok, F / kFeat), kThreads, 0, stream>>>(
       static_cast<const uint16_t*>(a24v), static_cast<const uint16_t*>(a24m), static_cast<const uint16_t*>(da), order,
       slots, static_cast<uint16_t*>(dzv), static_cast<uint16_t*>(dzm), static_cast<uint16_t*>(av),
       static_cast<uint16_t*>(am), static_cast<uint16_t*>(afull), static_cast<uint16_t*>(gv), static_cast<uint16_t*>(gm),
-      static_cast<uint16_t*>(gfull), static_cast<const uint32_t*>(a_amax), static_cast<float*>(a_scale),
-      static_cast<const uint32_t*>(dz_amax), static_cast<float*>(dz_scale), static_cast<const uint32_t*>(g_amax),
-      static_cast<float*>(g_scale), T, Tp, F, 0, stride_da);
-  return (int)cudaGetLastError();
-}
-
-// dZ's row maxima [Tr] and S(dZ)^T's [F] (float32, zeroed by the caller; see dz_amax_kernel) from the
-// same inputs as srelu24_backward_operands_a24, for its dz_amax and g_amax.
-int srelu24_dz_amax_a24(const void* a24v, const void* a24m, const void* da, const int* order, void* row_amax,
-                        void* col_amax, int T, int Tr, int F, int64_t stride_da, int bands_fastest, cudaStream_t stream) {
-  if (Tr == 0 || F == 0) return 0;
-  const dim3 grid = bands_fastest ? dim3(F / kFeat, Tr / kTok) : dim3(Tr / kTok, F / kFeat);
-  dz_amax_kernel<<<grid, kThreads, 0, stream>>>(
-      static_cast<const uint16_t*>(a24v), static_cast<const uint16_t*>(a24m), static_cast<const uint16_t*>(da), order,
-      static_cast<uint32_t*>(row_amax), static_cast<uint32_t*>(col_amax), T, F, stride_da, bands_fastest);
+      static_cast<uint16_t*>(gfull), static_cast<const uint32_t*>(a_amax), static_cast<float*>(a_scale), T, Tp, F, 0,
+      stride_da);
   return (int)cudaGetLastError();
 }
 
