@@ -14,6 +14,10 @@ measures the 1B ratio").
     python lab/probe_row_order.py +experiment=study_speed trainer.cuda_graph=true trainer.ffn_stats_every=25 \
         --rows srelu,srelu,srelu24,srelu,reset,srelu --accum 4 --warmup 3 --steps 5 --out order.json
 
+A row may add overrides of its own after colons, to split what a row leaves behind:
+`--rows srelu,srelu24:trainer.cuda_graph=false,srelu` (srelu24 without the graphs),
+`--rows srelu,srelu24:ffn.sparse_float8=false,srelu` (its 2:4 GEMMs in bf16).
+
 --profile N profiles N more steps of each row (bench_step's kernel table) and prints, for a variant
 that runs more than once, which kernels' time changed between its first row and each later one.
 """
@@ -91,13 +95,13 @@ def kernel_changes(records: list, top: int = 12) -> list[str]:
         if "top_kernels" not in r:
             continue
         table = {name: (ms, n) for name, ms, n in r["top_kernels"]}
-        if r["ffn"] not in first:
-            first[r["ffn"]] = (r["row"], table)
+        if r["spec"] not in first:
+            first[r["spec"]] = (r["row"], table)
             continue
-        row0, base = first[r["ffn"]]
+        row0, base = first[r["spec"]]
         names = set(base) | set(table)
         delta = sorted(names, key=lambda k: -abs(table.get(k, (0, 0))[0] - base.get(k, (0, 0))[0]))[:top]
-        out.append(f"{r['ffn']}: row {r['row']} against row {row0}, kernel busy "
+        out.append(f"{r['spec']}: row {r['row']} against row {row0}, kernel busy "
                    f"{r['kernel_busy_ms_per_step']:.1f} against {records[row0]['kernel_busy_ms_per_step']:.1f} ms a step")
         for k in delta:
             (a, na), (b, nb) = base.get(k, (0, 0)), table.get(k, (0, 0))
@@ -107,7 +111,8 @@ def kernel_changes(records: list, top: int = 12) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", required=True, help="comma-separated FFN variants, and `reset`")
+    ap.add_argument("--rows", required=True,
+                    help="comma-separated FFN variants (each with its own overrides after colons), and `reset`")
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
@@ -119,7 +124,8 @@ def main() -> int:
                                   weights=None, weights_vocab=None, doc_len=1024, profile=args.profile, profile_host=0,
                                   energy=0.0, density=None)
     rows = args.rows.split(",")
-    cfgs = {v: bs.load_config(args.override + [f"ffn={v}"]) for v in dict.fromkeys(rows) if v != "reset"}
+    cfgs = {v: bs.load_config(args.override + [f"ffn={v.split(':')[0]}"] + v.split(":")[1:])
+            for v in dict.fromkeys(rows) if v != "reset"}
     d = bs.setup(next(iter(cfgs.values())).trainer)
     env, records = bs.environment(), []
     print("row | ffn | ms a step | MHz | W | J a step | C | state before the row")
@@ -132,7 +138,7 @@ def main() -> int:
             continue
         with bs.inductor_settings_restored():
             r = {**bs.bench(cfgs[v], row_args, d), **bs.row_environment(env, d.device)}
-        r.update(row=i, before=state)
+        r.update(row=i, spec=v, before=state)
         records.append(r)
         c = r.get("clocks", {})
         print(f"{i} | {v} | {r['step_ms']:.1f} | {c.get('sm_clock_mhz')} | {c.get('power_w')} | "
