@@ -128,21 +128,22 @@ def main() -> int:
             for v in dict.fromkeys(rows) if v != "reset"}
     d = bs.setup(next(iter(cfgs.values())).trainer)
     env, records = bs.environment(), []
-    print("row | ffn | ms a step | MHz | W | J a step | C | state before the row")
+    print("row | ffn | ms a step | SM MHz | memory MHz | pstate | W | J a step | C | state before the row")
     for i, v in enumerate(rows):
         state = cuda_state(d.device)
         if v == "reset":
             reset_sparse_state()
             records.append({"row": i, "reset": True, "before": state, "after": cuda_state(d.device)})
-            print(f"{i} | reset | | | | | | {json.dumps(state)} -> {json.dumps(records[-1]['after'])}", flush=True)
+            print(f"{i} | reset | | | | | | | | {json.dumps(state)} -> {json.dumps(records[-1]['after'])}", flush=True)
             continue
         with bs.inductor_settings_restored():
             r = {**bs.bench(cfgs[v], row_args, d), **bs.row_environment(env, d.device)}
         r.update(row=i, spec=v, before=state)
         records.append(r)
         c = r.get("clocks", {})
-        print(f"{i} | {v} | {r['step_ms']:.1f} | {c.get('sm_clock_mhz')} | {c.get('power_w')} | "
-              f"{r.get('step_j', float('nan')):.1f} | {c.get('temp_c')} | {json.dumps(state)}", flush=True)
+        print(f"{i} | {v} | {r['step_ms']:.1f} | {c.get('sm_clock_mhz')} | {c.get('mem_clock_mhz')} | "
+              f"{','.join(c.get('pstates', [])) or None} | {c.get('power_w')} | {r.get('step_j', float('nan')):.1f} | "
+              f"{c.get('temp_c')} | {json.dumps(state)}", flush=True)
     bs.shutdown(d)
     for line in kernel_changes(records):
         print(line)

@@ -104,7 +104,8 @@ def test_throughput_logs_the_interval_clock_when_given_a_sampler():
         def resume(self):
             self.calls.append("resume")
 
-    sampler = Sampler([{"samples": 4, "sm_clock_mhz": 1560.0, "power_w": 691.0, "energy_j": 3.0, "gpu_busy_pct": 96.0},
+    sampler = Sampler([{"samples": 4, "sm_clock_mhz": 1560.0, "power_w": 691.0, "energy_j": 3.0, "gpu_busy_pct": 96.0,
+                        "mem_clock_mhz": 2619.0},
                        {"error": "no samples", "energy_j": 1.0}])
     m = Throughput(torch.device("cpu"), 100, 1000, world_size=2, clocks=sampler)
     m.step()
@@ -117,9 +118,9 @@ def test_throughput_logs_the_interval_clock_when_given_a_sampler():
     assert row["gpu_sm_clock_mhz"] == 1560.0 and row["gpu_power_w"] == 691.0 and sampler.calls == ["pause", "resume"]
     # this GPU's 3 J over its share of 2 steps x 1000 tokens on 2 GPUs
     assert row["gpu_energy_j"] == 3.0 and row["gpu_mj_per_token"] == pytest.approx(3.0)
-    assert row["gpu_busy_pct"] == 96.0
+    assert row["gpu_busy_pct"] == 96.0 and row["gpu_mem_clock_mhz"] == 2619.0
     m.step()
-    assert not {"gpu_sm_clock_mhz", "gpu_energy_j", "gpu_busy_pct"} & set(m.read())  # an interval without samples logs nothing
+    assert not {"gpu_sm_clock_mhz", "gpu_energy_j", "gpu_busy_pct", "gpu_mem_clock_mhz"} & set(m.read())  # an interval without samples logs nothing
     assert "gpu_sm_clock_mhz" not in Throughput(torch.device("cpu"), 100, 10).read()
 
 

@@ -14,13 +14,14 @@ from training.gpu_clocks import ClockSampler, energy_during, summarise
 class FakeNVML(types.ModuleType):
     """pynvml's calls that the sampler uses: the clock rises 1 MHz per reading, the energy counter
     grows by 700 W of wall-clock time."""
-    NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+    NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU = 1, 2, 0
 
     def __init__(self, fail_init=False):
         super().__init__("pynvml")
         self.fail_init, self.reads, self.t0, self.lock = fail_init, 0, time.perf_counter(), threading.Lock()
         self.handles = []
         self.no_utilisation = False  # a card (a MIG slice) that does not report it
+        self.no_memory_state = False  # a card that reports neither its memory clock nor its performance state
 
     def nvmlInit(self):
         if self.fail_init:
@@ -35,6 +36,10 @@ class FakeNVML(types.ModuleType):
         return "h"
 
     def nvmlDeviceGetClockInfo(self, h, kind):
+        if kind == self.NVML_CLOCK_MEM:
+            if self.no_memory_state:
+                raise RuntimeError("Not Supported")
+            return 2619
         with self.lock:
             self.reads += 1
             return 1400 + self.reads
@@ -50,6 +55,11 @@ class FakeNVML(types.ModuleType):
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
         return int((time.perf_counter() - self.t0) * 700_000)  # mJ
+
+    def nvmlDeviceGetPerformanceState(self, h):
+        if self.no_memory_state:
+            raise RuntimeError("Not Supported")
+        return 0
 
     def nvmlDeviceGetUtilizationRates(self, h):
         if self.no_utilisation:
@@ -77,6 +87,7 @@ def test_sampler_streams_medians_and_joules_per_interval(nvml):
     assert second["sm_clock_mhz"] > first["sm_clock_mhz"]  # separate intervals, not one running median
     assert first["power_w"] == 690.5 and first["throttle_reasons"] == ["0x0000000000000004"]
     assert first["gpu_busy_pct"] == second["gpu_busy_pct"] == 97.0
+    assert first["mem_clock_mhz"] == 2619.0 and first["pstates"] == ["P0"]
     for interval in (first, second):  # 700 W over ~0.3 s each
         assert interval["energy_j"] == pytest.approx(0.3 * 700, rel=0.3)
     whole = s.summary()
@@ -173,3 +184,15 @@ def test_a_card_without_utilisation_still_reports_clocks_and_power(nvml):
     assert out["samples"] >= 2 and out["power_w"] == 690.5 and "gpu_busy_pct" not in out
     assert summarise([(1500.0, 600.0, 55.0, "0x4", None), (1600.0, 650.0, 56.0, "0x4", 80.0),
                       (1700.0, 700.0, 57.0, "0x4", 90.0)])["gpu_busy_pct"] == 90.0  # the median of the readings it has
+
+
+def test_a_card_without_memory_clock_or_pstate_still_reports_the_rest(nvml):
+    nvml.no_memory_state = True
+    with ClockSampler(interval_ms=20) as s:
+        time.sleep(0.15)
+    out = s.summary()
+    assert out["samples"] >= 2 and out["power_w"] == 690.5 and "error" not in out
+    assert "mem_clock_mhz" not in out and "pstates" not in out
+    rows = [(1500.0, 600.0, 55.0, "0x4", 99.0, 2619.0, "P0"), (1600.0, 650.0, 56.0, "0x4", 99.0, 1593.0, "P2"),
+            (1700.0, 700.0, 57.0, "0x4", 99.0, 2619.0, "P0")]
+    assert summarise(rows)["mem_clock_mhz"] == 2619.0 and summarise(rows)["pstates"] == ["P0", "P2"]

@@ -9,7 +9,7 @@ trainer logs them:
     with ClockSampler(device) as clocks:
         run_steps()             # synchronised before the block ends
     clocks.summary()            # {"samples": 31, "sm_clock_mhz": 1755, "power_w": 512.3, "energy_j": 95.1,
-                                #  "gpu_busy_pct": 99.0, ...}
+                                #  "gpu_busy_pct": 99.0, "mem_clock_mhz": 2619, "pstates": ["P0"], ...}
 
     sampler = ClockSampler(device, interval_ms=500).start()   # the trainer: one per run
     sampler.pause(); evaluate(); sampler.resume()             # left out of the next take()
@@ -90,7 +90,23 @@ class ClockSampler:
         n, h = self.nvml, self.handle
         reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
         return (float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)), n.nvmlDeviceGetPowerUsage(h) / 1e3,
-                float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)), f"0x{reasons(h):016x}", self.busy())
+                float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)), f"0x{reasons(h):016x}", self.busy(),
+                *self.memory_and_pstate())
+
+    def memory_and_pstate(self) -> tuple:
+        """(the memory clock in MHz, the performance state as "P0"), each None where the card does
+        not say. The same work drawing more power at the same SM clock (benchmarks/RESULTS.md, the
+        order effect) could come from the memory side: these say whether it changed state."""
+        n, h = self.nvml, self.handle
+        try:
+            mem = float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM))
+        except Exception:  # noqa: BLE001 - NVMLError_NotSupported and kin; a stand-in without it
+            mem = None
+        try:
+            pstate = f"P{int(n.nvmlDeviceGetPerformanceState(h))}"
+        except Exception:  # noqa: BLE001 - likewise
+            pstate = None
+        return mem, pstate
 
     def busy(self) -> float | None:
         """NVML's GPU utilisation: the percent of its last sample period (1/6 s to 1 s) in which some
@@ -195,6 +211,10 @@ def summarise(rows: list, error: str | None = None) -> dict:
            "throttle_reasons": sorted({r[3] for r in rows})}
     if (busy := med(4)) is not None:
         out["gpu_busy_pct"] = busy
+    if (mem := med(5)) is not None:
+        out["mem_clock_mhz"] = mem
+    if pstates := sorted({r[6] for r in rows if len(r) > 6 and r[6] is not None}):
+        out["pstates"] = pstates
     return out
 
 

@@ -117,6 +117,8 @@ class Throughput:
                 out["gpu_sm_clock_mhz"], out["gpu_power_w"] = c["sm_clock_mhz"], c["power_w"]
                 if c.get("gpu_busy_pct") is not None:  # under 100: the GPU waited (the host, the data)
                     out["gpu_busy_pct"] = c["gpu_busy_pct"]
+                if c.get("mem_clock_mhz") is not None:
+                    out["gpu_mem_clock_mhz"] = c["mem_clock_mhz"]
                 if c.get("energy_j") is not None and self.steps:  # the card's energy counter, this GPU's share
                     out["gpu_energy_j"] = c["energy_j"]
                     out["gpu_mj_per_token"] = 1e3 * c["energy_j"] / (self.steps * self.tokens_per_step / self.world_size)
