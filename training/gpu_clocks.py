@@ -95,7 +95,7 @@ class ClockSampler:
 
     def memory_and_pstate(self) -> tuple:
         """(the memory clock in MHz, the performance state as "P0"), each None where the card does
-        not say. The same work drawing more power at the same SM clock (benchmarks/RESULTS.md, the
+        not say. The same work costing more joules at the power cap (benchmarks/RESULTS.md, the
         order effect) could come from the memory side: these say whether it changed state."""
         n, h = self.nvml, self.handle
         try:
