@@ -159,11 +159,41 @@ def probe(shape: str, seconds: float, rounds: int) -> dict:
             "algs": {g.name: g.alg for g in gemms}, "checks": checks, "variants": table}
 
 
+def id_sweep(shape: str, reps: int = 5) -> dict:
+    """Every algorithm id of the fp32-D GEMM with beta 1 (the ids searched above are the bf16-D
+    GEMM's), timed by CUDA events over `reps` calls after one, against the bf16-D GEMM at its searched id."""
+    F_, d, T, _, _ = SHAPES[shape]
+    out = {}
+    for g in (Gemm("dW2", F_, T, d, True, 1), Gemm("dW1", F_, T, d, False, 2)):
+        lib = C._library(g.a8.device)
+        times = {"bf16_searched": C._time_ms(g.a8, g.b8, g.alg, g.tr)}
+        for alg in range(C._MAX_IDS):
+            try:
+                plan = Fp32Plan(lib, g.a8.shape[0], g.b8.shape[0], g.b8.shape[1], alg, g.tr)
+            except RuntimeError:
+                break  # ids are consecutive: the first refused one ends them
+            plan.run(g.a8, g.b8, g.grad, 1.0)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                plan.run(g.a8, g.b8, g.grad, 1.0)
+            end.record()
+            end.synchronize()
+            times[alg] = start.elapsed_time(end) / reps
+        best = min((a for a in times if a != "bf16_searched"), key=times.get)
+        print(f"{shape} {g.name}: bf16 D at id {g.alg} {times['bf16_searched']:.3f} ms; fp32 D beta 1: best id {best} "
+              f"{times[best]:.3f} ms, searched id {g.alg} {times.get(g.alg, float('nan')):.3f} ms; "
+              + ", ".join(f"{a}: {t:.3f}" for a, t in times.items() if a != "bf16_searched"), flush=True)
+        out[g.name] = {"searched_alg": g.alg, "ms": {str(a): t for a, t in times.items()}}
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="7b,1b", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--seconds", type=float, default=3.0, help="each variant's timed loop")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--ids", action="store_true", help="instead: time every id of the fp32-D GEMM (beta 1)")
     p.add_argument("--out", help="a JSON record of everything measured")
     args = p.parse_args()
     bad = [s for s in args.shapes.split(",") if s not in SHAPES]
@@ -174,6 +204,12 @@ def main() -> int:
         print("probe_scaled_accumulation needs an sm90 GPU with cuSPARSELt >= 0.6", file=sys.stderr)
         return 2
     results = []
+    if args.ids:
+        results = [{"shape": s, "ids": id_sweep(s)} for s in args.shapes.split(",")]
+        if args.out:
+            Path(args.out).write_text(json.dumps({"argv": sys.argv, "environment": environment(), "results": results},
+                                                 indent=1))
+        return 0
     for s in args.shapes.split(","):
         r = probe(s, args.seconds, args.rounds)
         results.append(r)
