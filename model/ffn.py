@@ -23,7 +23,7 @@ from torch import Tensor
 from srelu24_kernels.cusparselt.binding import set_algorithm
 from srelu24_kernels.ffn_stats import N_SUMS, SWIGLU_ZERO_THRESHOLD, dense_activation_sums, srelu24_sums
 from srelu24_kernels.float8 import scaled_mm_shapes
-from srelu24_kernels.srelu24.options import OpOptions, StepState
+from srelu24_kernels.srelu24.options import GradPairs, MicroBatches, OpOptions, StepState
 from srelu24_kernels.srelu24.reference import SReLU24Recipe, srelu24_ffn
 
 FFN_REGISTRY: dict[str, type["FFN"]] = {}
@@ -141,13 +141,15 @@ class SReLU24(SReLU):
     # the rows of the transposed operand (features) a multiple of 64.
     hidden_multiple = 64
 
-    def __init__(self, dim: int, hidden: int, options: OpOptions = OpOptions(), kernels: bool = True):
+    def __init__(self, dim: int, hidden: int, options: OpOptions = OpOptions(), kernels: bool = True,
+                 paired_grad_unscaling: bool = False):
         super().__init__(dim, hidden)
         if hidden % 4:
             raise ValueError(f"srelu24 needs a hidden size divisible by 4, got {hidden}")
         self.options = options
         self.sparse = False
         self.kernels = kernels
+        self.paired_grad_unscaling = paired_grad_unscaling  # ffn.paired_grad_unscaling: begin_step
         self.step_state: Optional[StepState] = None  # an optimizer step's, while it runs (srelu24_step)
         self._grad_hooks: list = []  # the step's hooks that take the weights' .grad once autograd made them
 
@@ -158,7 +160,8 @@ class SReLU24(SReLU):
         recipe = SReLU24Recipe(cfg.token_permutation, cfg.dense_feature_fraction, cfg.reuse_forward_mask)
         float8 = float8 if scaled_mm_shapes(dim, hidden) else "none"
         set_algorithm(cfg.sparse_gemm_alg)  # process-wide, as cuSPARSELt's plans are
-        return cls(dim, hidden, OpOptions(recipe, float8, cfg.sparse_float8), cfg.kernels)
+        return cls(dim, hidden, OpOptions(recipe, float8, cfg.sparse_float8), cfg.kernels,
+                   cfg.paired_grad_unscaling)
 
     @property
     def recipe(self) -> SReLU24Recipe:
@@ -192,14 +195,18 @@ class SReLU24(SReLU):
             self.stats += srelu24_sums(d, None, self.recipe.dense_feature_fraction, sparse=False)
         return self.w2(a)
 
-    def begin_step(self, keep_conversions: bool, grads_in_place: bool) -> None:
+    def begin_step(self, keep_conversions: bool, grads_in_place: bool,
+                   micro_batches: Optional[MicroBatches] = None) -> None:
         """Open this FFN's StepState for an optimizer step's micro-batches: in its 2:4 phase, in e4m3
         mode on fp32 weights (one process or DDP; under FSDP2 the weights are bf16 and gathered per
         use), its weights' conversions made now where the e4m3 2:4 GEMMs run (keep_conversions), and
         the weights' .grad as the buffers its backward adds into (grads_in_place). Where the weights
         have no .grad yet (set to None after the last step), the first micro-batch's gradients become
         it as autograd assigns them, and the op adds into it from the next micro-batch on: no zero
-        fill, no read of zeros (a post-accumulate-grad hook takes them when both are there)."""
+        fill, no read of zeros (a post-accumulate-grad hook takes them when both are there).
+        With ffn.paired_grad_unscaling, gradients in place and the tensorwise recipe's e4m3 2:4 GEMMs
+        on an sm90 GPU, the op also pairs the micro-batches' weight gradients (`micro_batches`, the
+        step's counter: srelu24_step), in buffers made here (GradPairs: 2 bytes an element of W1 and W2)."""
         w1, w2 = self.w1.weight, self.w2.weight
         if not (self.sparse and self.options.e4m3 and w1.dtype == w2.dtype == torch.float32
                 and self.kernels and kernels_available(w1)):
@@ -214,7 +221,11 @@ class SReLU24(SReLU):
             def take(_):  # a post-accumulate-grad hook returns None
                 self._take_grads(state)
             self._grad_hooks = [w.register_post_accumulate_grad_hook(take) for w in (w1, w2)]
-        if state.weights is not None or state.grads is not None or self._grad_hooks:
+        if (self.paired_grad_unscaling and grads_in_place and micro_batches is not None
+                and self.options.float8 == "tensorwise" and fp8_sparse.available(w1.device)):
+            k = int(round(self.recipe.dense_feature_fraction * w1.shape[0]))  # densest_from_counts' k
+            state.pairs, state.micro_batches = GradPairs.empty(w1.shape[0], w1.shape[1], k, w1.device), micro_batches
+        if state.weights is not None or state.grads is not None or self._grad_hooks or state.pairs is not None:
             self.step_state = state
             self._written = _versions(w1, w2)
 
@@ -234,7 +245,12 @@ class SReLU24(SReLU):
         self._grad_hooks = []
         if self.step_state is None:
             return
-        self.step_state = None
+        state, self.step_state = self.step_state, None
+        if state.paired and state.micro_batches.done % 2:  # ended on the first of a pair: its products wait
+            from srelu24_kernels.srelu24.op import add_kept
+
+            if state.grads is not None:  # None only where the step failed before its second micro-batch
+                add_kept(state.pairs, state.grads, state.pairs.g2.shape[0] > 0)
         if _versions(self.w1.weight, self.w2.weight) != self._written:
             raise RuntimeError("srelu24: W1 or W2 was written during an optimizer step's micro-batches, while "
                                "their e4m3 conversions were kept; write the weights between steps")
@@ -270,12 +286,14 @@ def srelu24_step(model: nn.Module, keep_conversions: bool, grads_in_place: bool)
     (srelu24_kernels/srelu24/options.py, StepState), opened on entry and dropped on exit, also on errors.
     training/step.py opens it around the micro-batches, with keep_conversions where
     `conversions_kept` says and the weights stay put between them (not FSDP2), and grads_in_place where
-    also autograd's accumulation is nobody else's business (not DDP's reducer, not FSDP2)."""
+    also autograd's accumulation is nobody else's business (not DDP's reducer, not FSDP2). It yields
+    the step's MicroBatches, which the caller advances after each micro-batch's backward."""
     ffns = [m for m in model.modules() if isinstance(m, SReLU24)]
+    micro_batches = MicroBatches()
     try:
         for m in ffns:
-            m.begin_step(keep_conversions, grads_in_place)
-        yield
+            m.begin_step(keep_conversions, grads_in_place, micro_batches)
+        yield micro_batches
     finally:
         errors = []
         for m in ffns:

@@ -296,11 +296,11 @@ def host_and_gpu(D: int, Fh: int, T: int, density=None) -> dict:
             buf, _ = srelu_sparsify_2to4(F.linear(x, w1).detach())
             xd, w1d, w2d = x.detach(), w1.detach(), w2.detach()
             o = OpOptions(RECIPE)
-            fwd_args = (xd, w1d, w2d, [], None, None, False, keeps_a24(xd, w1d, o.recipe.reuse_forward_mask), *o.flags(),
-                        False)
+            fwd_args = (xd, w1d, w2d, [], None, None, [], False, keeps_a24(xd, w1d, o.recipe.reuse_forward_mask),
+                        *o.flags(), False, 0)
             y, saved, counts, *_ = ffn_forward(*fwd_args)
             bwd_args = (gy, xd, w1d, w2d, saved, counts, keeps_a24(xd, w1d, o.recipe.reuse_forward_mask), [], None, None,
-                        None, None, None, *o.flags(), False)
+                        [], None, None, None, *o.flags(), False, 0)
             z = F.linear(xd, w1d)
             perm = torch.randperm(t, device="cuda")
             da = gy @ w2d

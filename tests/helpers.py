@@ -209,16 +209,16 @@ def forward_args(x, w1, w2, collect_stats: bool, options, defer_unscaling: bool 
     """srelu24::ffn_forward's arguments for a call without a step's state."""
     from srelu24_kernels.srelu24.op import keeps_a24
 
-    return (x, w1, w2, [], None, None, collect_stats, keeps_a24(x, w1, options.recipe.reuse_forward_mask),
-            *options.flags(), defer_unscaling)
+    return (x, w1, w2, [], None, None, [], collect_stats, keeps_a24(x, w1, options.recipe.reuse_forward_mask),
+            *options.flags(), defer_unscaling, 0)
 
 
 def backward_args(dy, x, w1, w2, saved, counts, options, defer_unscaling: bool = False) -> tuple:
     """srelu24::ffn_backward's arguments for a forward's outputs, without a step's state."""
     from srelu24_kernels.srelu24.op import keeps_a24
 
-    return (dy, x, w1, w2, saved, counts, keeps_a24(x, w1, options.recipe.reuse_forward_mask), [], None, None,
-            None, None, None, *options.flags(), defer_unscaling)
+    return (dy, x, w1, w2, saved, counts, keeps_a24(x, w1, options.recipe.reuse_forward_mask), [], None, None, [],
+            None, None, None, *options.flags(), defer_unscaling, 0)
 
 
 def cpu_op_inputs(tokens: int, seed: int) -> tuple:

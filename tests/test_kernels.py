@@ -420,12 +420,12 @@ def test_the_forward_op_keeps_what_its_caller_asks_and_refuses_a24_it_cannot_mak
             torch.empty(d, F_, dtype=torch.bfloat16, device="meta"))
     for keep, shape in ((True, (padded(T, ROWS_PER_BAND), F_ * 9 // 16)), (False, (T, F_))):
         args = list(forward_args(*meta, False, o))
-        args[7] = keep
+        args[8] = keep
         assert K.ffn_forward(*args)[1].shape == shape
     x, w1, w2 = torch.randn(T, d, dtype=torch.bfloat16), torch.randn(F_, d, dtype=torch.bfloat16), torch.randn(d, F_, dtype=torch.bfloat16)
     args = list(forward_args(x, w1, w2, False, o))
-    assert args[7] is False  # no CUDA kernels on the CPU
-    args[7] = True
+    assert args[8] is False  # no CUDA kernels on the CPU
+    args[8] = True
     with pytest.raises(ValueError, match="asked to keep A24"):
         K.ffn_forward(*args)
 

@@ -272,7 +272,7 @@ def test_tokens_the_block_permuted_reach_the_op_as_no_permutation_of_its_own(mon
 
     _cpu_kernel_path(monkeypatch, "rowwise", False)
     seen, real = [], op.ffn_forward
-    monkeypatch.setattr(op, "ffn_forward", lambda *a: seen.append(a[8]) or real(*a))  # a[8]: token_permutation
+    monkeypatch.setattr(op, "ffn_forward", lambda *a: seen.append(a[9]) or real(*a))  # a[9]: token_permutation
     m = _module(torch.randn(64, 64) / 8, torch.randn(64, 64) / 8, "rowwise", "cpu")
     m.options = replace(m.options, recipe=SReLU24Recipe(token_permutation=True))
     x = _batches(64, 64, "cpu", n=1)[0][0]

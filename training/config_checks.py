@@ -187,7 +187,7 @@ def resolve_vocab_size(m: ModelConfig, data_vocab: int) -> int:
 GUARDED = ("model", "ffn", "optim", "trainer.seed", "trainer.seq_len", "trainer.batch_size", "trainer.max_steps",
            "trainer.total_tokens")
 # under a guarded group but not the computation: a label, or an implementation of the same math
-UNGUARDED = ("model.name", "ffn.kernels", "ffn.sparse_gemm_alg", "optim.fused")
+UNGUARDED = ("model.name", "ffn.kernels", "ffn.sparse_gemm_alg", "ffn.paired_grad_unscaling", "optim.fused")
 
 
 def _guarded(key: str) -> bool:

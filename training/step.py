@@ -132,7 +132,7 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
         group["lr"] = lr
 
     loss_sum, data_s = torch.zeros((), device=d.device), 0.0
-    with micro_batch_state(p, sparse_on, stats):
+    with micro_batch_state(p, sparse_on, stats) as micro_batches:
         mark("optimizer")  # srelu24's weight conversions for the step: the optimizer's work, not data's
         for micro in range(p.accum):
             t0 = time.perf_counter()
@@ -150,6 +150,8 @@ def train_step(p: StepParts, state: TrainState, next_batch: Callable[[], tuple[T
                 mark("forward")
                 (loss / p.accum).backward()  # DDP / FSDP average the gradients over ranks
                 mark("backward")
+            if micro_batches is not None:  # srelu24's paired weight gradients: which of a pair is next
+                micro_batches.advance()
             loss_sum += loss.detach()
 
     grad_norm = clip_grad_norm(p.params, p.grad_clip if p.grad_clip > 0 else math.inf)  # global over ranks
@@ -204,8 +206,8 @@ def micro_batch_state(p: StepParts, sparse_on: bool, stats: bool):
     # anew for each use; DDP's reducer hooks autograd's accumulation into .grad, which srelu24's op would bypass
     several, fsdp = p.accum > 1, is_fsdp(p.model)
     with srelu24_step(p.model, keep_conversions=conversions_kept(p.model, several) and not fsdp,
-                      grads_in_place=several and not fsdp and p.train_module is p.model):
-        yield
+                      grads_in_place=several and not fsdp and p.train_module is p.model) as micro_batches:
+        yield micro_batches
 
 
 def optimizer_step_skipping_on_device(p: StepParts, state: TrainState, grad_norm: Tensor) -> None:

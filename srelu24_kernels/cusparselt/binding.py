@@ -128,9 +128,9 @@ class _Plan:
         self.workspace_bytes = max(ws.value, 1)  # 32 MiB at the FFN's shapes on the H200
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
-    def run(self, a: Tensor, b: Tensor) -> Tensor:
+    def run(self, a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> Tensor:
         shape = (self.n, self.m) if self.transpose_result else (self.m, self.n)
-        d = torch.empty(shape, dtype=torch.bfloat16, device=a.device)
+        d = torch.empty(shape, dtype=torch.bfloat16, device=a.device) if out is None else out
         # per call and stream-ordered, as torch's op does: no sharing between streams
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=a.device)
         stream = (ctypes.c_void_p * 1)(torch.cuda.current_stream(a.device).cuda_stream)
@@ -313,22 +313,27 @@ def _new_plan(a: Tensor, b: Tensor, key: tuple) -> Optional[_Plan]:
     return None
 
 
-def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) -> Tensor:
+def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False, out: Optional[Tensor] = None) -> Tensor:
     """torch._cslt_sparse_mm(a, b, alg_id=alg, transpose_result=...) for a bf16 compressed A
     [m, 9k/16] on CUDA and a bf16 B [k, n] (row-major, or the transpose of a row-major matrix),
     or an e4m3 A [m, 5k/8] and an e4m3 K-major B (bf16 out), with the plan built once.
-    transpose_result: the product comes back as (A B)^T, [n, m]."""
+    transpose_result: the product comes back as (A B)^T, [n, m]. out (bf16, contiguous, the product's
+    shape): written there and returned (torch's op writes its own, copied there)."""
     b_transposed = not b.is_contiguous()
     if b_transposed and not b.t().is_contiguous():
         b = b.contiguous()
         b_transposed = False
     m, (k, n) = a.shape[0], b.shape
+    if out is not None and (out.dtype != torch.bfloat16 or not out.is_contiguous()
+                            or tuple(out.shape) != ((n, m) if transpose_result else (m, n))):
+        raise ValueError(f"cached_mm writes a contiguous bf16 {(n, m) if transpose_result else (m, n)} product, got "
+                         f"out {out.dtype} {tuple(out.shape)}, strides {out.stride()}")
     idx = a.get_device()
     e4m3 = a.dtype == b.dtype == torch.float8_e4m3fn and b_transposed
     size_ok = a.numel() * 8 == m * k * 5 if e4m3 else a.numel() * 16 == m * k * 9
     if (not (e4m3 or a.dtype == b.dtype == torch.bfloat16) or not a.is_contiguous() or not size_ok
             or a.data_ptr() % 16 or b.data_ptr() % 16 or b.get_device() != idx or idx != torch.cuda.current_device()):
-        return torch_mm(a, b, alg, transpose_result)  # not what the plans are built for: torch's op checks
+        return _into(torch_mm(a, b, alg, transpose_result), out)  # not what the plans are built for: torch's op checks
     key = (idx, m, k, n, b_transposed, alg, transpose_result, e4m3)
     plan = _PLANS.get(key, False)
     if plan is False:
@@ -336,7 +341,11 @@ def cached_mm(a: Tensor, b: Tensor, alg: int, transpose_result: bool = False) ->
             if key not in _PLANS:
                 _PLANS[key] = _new_plan(a, b, key)
             plan = _PLANS[key]
-    return torch_mm(a, b, alg, transpose_result) if plan is None else plan.run(a, b)
+    return _into(torch_mm(a, b, alg, transpose_result), out) if plan is None else plan.run(a, b, out)
+
+
+def _into(y: Tensor, out: Optional[Tensor]) -> Tensor:
+    return y if out is None else out.copy_(y)
 
 
 def sparse_mm(a: Tensor, b: Tensor, transpose_result: bool = False) -> Tensor:

@@ -20,6 +20,8 @@ Row scales follow torchao's rowwise recipe (e4m3 everywhere, power-of-2 scales a
 reduction dimension). `sparse_mm_reference` computes the same product from the same e4m3 values in
 fp32; the Triton kernels match their PyTorch references bit for bit (tests/test_fp8_sparse.py).
 """
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -158,17 +160,11 @@ def kmajor_e4m3_reference(b: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @triton.jit
-def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, M, N, DENSE_COLUMNS: tl.constexpr,
-                    ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """out [M, N] = y (bf16) times 1 / sr[i], then 1 / sc[j], in out's dtype (out may be y: in place):
-    the reciprocals rounded as torch's (div_rn; exact for powers of 2, NaN for NaN), so no launches
-    for them. DENSE_COLUMNS: out is dW2 [d, F], and a dense feature's column j (slot[j] >= 0) is
-    g [k, d]'s row slot[j] instead, as write_dense_columns would store it, in the same pass.
-    ACCUMULATE: out += that instead (a weight's .grad, which the op adds into: srelu24_kernels/srelu24/op.py)."""
-    i = tl.program_id(0) * BM + tl.arange(0, BM)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    m = (i[:, None] < M) & (j[None, :] < N)
-    offs = i[:, None] * N + j[None, :]
+def _unscaled_tile(y_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, i, j, m, offs, M, N, DENSE_COLUMNS: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr):
+    """One product's tile times 1 / sr[i], then 1 / sc[j] (the reciprocals rounded as torch's: div_rn;
+    exact for powers of 2, NaN for NaN), in fp32; DENSE_COLUMNS: a dense feature's column j
+    (slot[j] >= 0) is g [k, M]'s row slot[j] instead."""
     y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
     sr, sc = tl.load(sr_ptr + i, mask=i < M, other=1.0), tl.load(sc_ptr + j, mask=j < N, other=1.0)
     r, c = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), sr), tl.math.div_rn(tl.full([BN], 1.0, tl.float32), sc)
@@ -178,18 +174,55 @@ def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, M, N, DENSE
         dense = (slot >= 0)[None, :]
         g = tl.load(g_ptr + slot[None, :].to(tl.int64) * M + i[:, None], mask=m & dense, other=0.0).to(tl.float32)
         v = tl.where(dense, g, v)
-    if ACCUMULATE:
+    return v
+
+
+@triton.jit
+def _unscale_kernel(y_ptr, out_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, y0_ptr, sr0_ptr, sc0_ptr, slot0_ptr, g0_ptr,
+                    M, N, DENSE_COLUMNS: tl.constexpr, ACCUMULATE: tl.constexpr, PENDING: tl.constexpr,
+                    DENSE_COLUMNS0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """out [M, N] = y (bf16 or fp32) unscaled (_unscaled_tile), in out's dtype (out may be y: in place).
+    DENSE_COLUMNS: out is dW2 [d, F], and a dense feature's column is g's row, as write_dense_columns
+    would store it, in the same pass. ACCUMULATE: out += that instead (a weight's .grad, which the op
+    adds into: srelu24_kernels/srelu24/op.py). PENDING: an earlier micro-batch's product y0 (its
+    scales, its dense columns where DENSE_COLUMNS0) goes in first, as if it had been unscaled and
+    added by a pass of its own: the same fp32 sums in the same order, one pass instead of two."""
+    i = tl.program_id(0) * BM + tl.arange(0, BM)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = (i[:, None] < M) & (j[None, :] < N)
+    offs = i[:, None] * N + j[None, :]
+    v = _unscaled_tile(y_ptr, sr_ptr, sc_ptr, slot_ptr, g_ptr, i, j, m, offs, M, N, DENSE_COLUMNS, BM, BN)
+    if PENDING:
+        acc = _unscaled_tile(y0_ptr, sr0_ptr, sc0_ptr, slot0_ptr, g0_ptr, i, j, m, offs, M, N, DENSE_COLUMNS0, BM, BN)
+        if ACCUMULATE:
+            acc = tl.load(out_ptr + offs, mask=m, other=0.0).to(tl.float32) + acc
+        v = acc + v
+    elif ACCUMULATE:
         v = tl.load(out_ptr + offs, mask=m, other=0.0).to(tl.float32) + v
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=m)
 
 
+class Pending(NamedTuple):
+    """A micro-batch's e4m3 2:4 weight-gradient product kept still scaled (its bf16 values as the GEMM
+    wrote them, its row and column scales, and for dW2 its dense columns: slots [N] int32 and g
+    [k, M], or None), to be unscaled together with the next micro-batch's (unscale's `pending`)."""
+    y: Tensor
+    row_scale: Tensor
+    col_scale: Tensor
+    dense_columns: Optional[tuple[Tensor, Tensor]]
+
+
 def _unscale_into(out: Tensor, y: Tensor, row_scale: Tensor, col_scale: Tensor,
-                  dense_columns: tuple[Tensor, Tensor] | None = None, accumulate: bool = False) -> Tensor:
+                  dense_columns: tuple[Tensor, Tensor] | None = None, accumulate: bool = False,
+                  pending: Optional[Pending] = None) -> Tensor:
     m, n = y.shape
     slots, g = dense_columns if dense_columns is not None else (y, y)  # unread without DENSE_COLUMNS
-    _unscale_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](y, out, row_scale, col_scale, slots, g, m, n,
-                                                               DENSE_COLUMNS=dense_columns is not None,
-                                                               ACCUMULATE=accumulate, BM=32, BN=128, num_warps=4)
+    p = pending if pending is not None else Pending(y, row_scale, col_scale, None)  # unread without PENDING
+    slots0, g0 = p.dense_columns if p.dense_columns is not None else (y, y)
+    _unscale_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](
+        y, out, row_scale, col_scale, slots, g, p.y, p.row_scale, p.col_scale, slots0, g0, m, n,
+        DENSE_COLUMNS=dense_columns is not None, ACCUMULATE=accumulate, PENDING=pending is not None,
+        DENSE_COLUMNS0=pending is not None and pending.dense_columns is not None, BM=32, BN=128, num_warps=4)
     return out
 
 
@@ -199,8 +232,18 @@ def unscale_(y: Tensor, *, row_scale: Tensor, col_scale: Tensor) -> Tensor:
     return _unscale_into(y, y, row_scale, col_scale)
 
 
+def _check_dense_columns(y: Tensor, dense_columns: tuple[Tensor, Tensor]) -> None:
+    slots, g = dense_columns
+    if (slots.dtype != torch.int32 or slots.shape != (y.shape[1],) or g.shape[1:] != (y.shape[0],)
+            or not g.is_contiguous() or g.dtype != y.dtype or g.device != y.device):
+        raise ValueError(f"unscale's dense columns need int32 slots [{y.shape[1]}] and contiguous g [k, {y.shape[0]}] "
+                         f"of y's dtype and device, got slots {slots.dtype} {tuple(slots.shape)}, g {g.dtype} "
+                         f"{tuple(g.shape)} on {g.device}")
+
+
 def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch.dtype,
-            dense_columns: tuple[Tensor, Tensor] | None = None, accumulate_into: Tensor | None = None) -> Tensor:
+            dense_columns: tuple[Tensor, Tensor] | None = None, accumulate_into: Tensor | None = None,
+            pending: Optional[Pending] = None) -> Tensor:
     """unscale_ written in out_dtype (fp32: an fp32 weight's gradient, no cast pass after; bf16: in
     place). With power-of-2 scales the fp32 result is unscale_'s bf16 one, .float(), bit for bit (a
     bf16 times powers of 2 is a bf16) except below 2^-126, where fp32 keeps bits that bf16 drops.
@@ -208,7 +251,9 @@ def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch
     the dense features' columns are written from g in the same pass, as write_dense_columns
     would (which reads and writes all of dW2 once more). accumulate_into (contiguous, out_dtype, y's
     shape: a weight's .grad): the result added into it, which is returned (the same sums, bit for
-    bit, as adding the result afterwards)."""
+    bit, as adding the result afterwards). pending (a Pending of y's shape and dtype, out_dtype fp32):
+    an earlier micro-batch's product, unscaled and added first: bit for bit what unscaling it on its
+    own (into accumulate_into, or as the fresh result) and then this one into that would give."""
     if not y.is_contiguous() or y.numel() >= 2**31:  # the kernel's offsets are int32
         raise ValueError(f"unscale needs a contiguous y of fewer than 2^31 elements, got {tuple(y.shape)}, "
                          f"strides {y.stride()}")
@@ -216,16 +261,16 @@ def unscale(y: Tensor, *, row_scale: Tensor, col_scale: Tensor, out_dtype: torch
                                         or not accumulate_into.is_contiguous()):
         raise ValueError(f"unscale accumulates into a contiguous {out_dtype} {tuple(y.shape)}, got "
                          f"{accumulate_into.dtype} {tuple(accumulate_into.shape)}, strides {accumulate_into.stride()}")
-    out = (accumulate_into if accumulate_into is not None else y if out_dtype == y.dtype
+    if pending is not None and (pending.y.shape != y.shape or pending.y.dtype != y.dtype or not pending.y.is_contiguous()
+                                or out_dtype != torch.float32):
+        raise ValueError(f"unscale's pending product must be a contiguous {y.dtype} {tuple(y.shape)} summed in float32, "
+                         f"got {pending.y.dtype} {tuple(pending.y.shape)} into {out_dtype}")
+    out = (accumulate_into if accumulate_into is not None else y if out_dtype == y.dtype and pending is None
            else torch.empty(y.shape, dtype=out_dtype, device=y.device))
-    if dense_columns is not None:
-        slots, g = dense_columns
-        if (slots.dtype != torch.int32 or slots.shape != (y.shape[1],) or g.shape[1:] != (y.shape[0],)
-                or not g.is_contiguous() or g.dtype != y.dtype or g.device != y.device):
-            raise ValueError(f"unscale's dense columns need int32 slots [{y.shape[1]}] and contiguous g [k, {y.shape[0]}] "
-                             f"of y's dtype and device, got slots {slots.dtype} {tuple(slots.shape)}, g {g.dtype} "
-                             f"{tuple(g.shape)} on {g.device}")
-    return _unscale_into(out, y, row_scale, col_scale, dense_columns, accumulate_into is not None)
+    for dc in (dense_columns, pending and pending.dense_columns):
+        if dc is not None:
+            _check_dense_columns(y, dc)
+    return _unscale_into(out, y, row_scale, col_scale, dense_columns, accumulate_into is not None, pending)
 
 
 def available(device) -> bool:
@@ -247,19 +292,20 @@ def usable(buf: Tensor, b: Tensor) -> bool:
 
 
 def _scaled_product(buf: Tensor | None, b8: Tensor, sb: Tensor, transpose_result: bool,
-                    a_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(the e4m3 product as cuSPARSELt writes it, bf16, still scaled; its row scales; its column scales)."""
+                    a_e4m3: tuple[Tensor, Tensor] | None = None, out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(the e4m3 product as cuSPARSELt writes it, bf16, still scaled (into `out` where given); its row
+    scales; its column scales)."""
     a8, sa = a_e4m3 if a_e4m3 is not None else compressed_to_e4m3(buf, buf.shape[0], b8.shape[0])
-    y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result)  # plans cached: host time
+    y = cached_mm(a8, b8, searched_alg(a8, b8, transpose_result), transpose_result, out=out)  # plans cached: host time
     return (y, sb, sa) if transpose_result else (y, sa, sb)  # transposed, y is (A B)^T: B's columns are its rows
 
 
 def _sparse_product(buf: Tensor | None, b8: Tensor, sb: Tensor, transpose_result: bool,
                     out_dtype: torch.dtype = torch.bfloat16, dense_columns=None, accumulate_into=None,
-                    a_e4m3: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                    a_e4m3: tuple[Tensor, Tensor] | None = None, pending: Optional[Pending] = None) -> Tensor:
     y, sr, sc = _scaled_product(buf, b8, sb, transpose_result, a_e4m3)
     return unscale(y, row_scale=sr, col_scale=sc, out_dtype=out_dtype, dense_columns=dense_columns,
-                   accumulate_into=accumulate_into)
+                   accumulate_into=accumulate_into, pending=pending)
 
 
 def sparse_mm(buf: Tensor, b: Tensor, transpose_result: bool = False,
@@ -309,7 +355,9 @@ def sparse_and_dense_mm(buf: Tensor | None, dense_rows: Tensor | None, b: Tensor
                         out_dtype: torch.dtype = torch.bfloat16, slots: Tensor | None = None,
                         accumulate_into: Tensor | None = None,
                         b_e4m3: tuple[Tensor, Tensor] | None = None,
-                        a_e4m3: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+                        a_e4m3: tuple[Tensor, Tensor] | None = None,
+                        pending: Optional[Pending] = None,
+                        keep: Optional[Tensor] = None) -> tuple[Tensor | Pending, Tensor | None]:
     """(sparse_mm(buf, b, transpose_result), dense_rows @ B or None), both in e4m3 from one conversion
     of B: a weight gradient's 2:4 product and its dense features' rows (srelu24_kernels/srelu24/op.py).
     out_dtype: the 2:4 product's (the weight's: fp32 written by the unscaling pass); the dense rows
@@ -319,15 +367,24 @@ def sparse_and_dense_mm(buf: Tensor | None, dense_rows: Tensor | None, b: Tensor
     and it returned in the product's place. b_e4m3: kmajor_e4m3(b), where the caller has it already
     (dY's, made with its other conversion: srelu24_kernels/float8/paired.py). a_e4m3: compressed_to_e4m3's
     (values, row scales) of buf, where the caller has them already (S(A24)^T, written in e4m3 by the
-    backward's pass: srelu24_kernels/srelu24/sparsify_backward.py); buf is not read then."""
+    backward's pass: srelu24_kernels/srelu24/sparsify_backward.py); buf is not read then.
+    pending: an earlier micro-batch's product, unscaled in the same pass, first (unscale's).
+    keep (bf16, the product's shape): the product is not unscaled but written there, and comes back
+    as a Pending (its scales; with slots its dense columns, the dense rows then None) for a later call's
+    `pending`; the scales and dense rows are this call's tensors, which the caller copies to keep."""
     b8, sb = b_e4m3 if b_e4m3 is not None else kmajor_e4m3(b)
     dense = None if dense_rows is None else dense_mm(dense_rows, b8, sb)
+    if slots is not None and dense is not None and not transpose_result:
+        raise ValueError("sparse_and_dense_mm writes dense columns only into a transposed product (dW2 [d, F])")
+    if keep is not None:
+        y, sr, sc = _scaled_product(buf, b8, sb, transpose_result, a_e4m3, out=keep)
+        if slots is not None and dense is not None:
+            return Pending(y, sr, sc, (slots, dense)), None
+        return Pending(y, sr, sc, None), dense
     if slots is not None and dense is not None:
-        if not transpose_result:
-            raise ValueError("sparse_and_dense_mm writes dense columns only into a transposed product (dW2 [d, F])")
-        return _sparse_product(buf, b8, sb, True, out_dtype, (slots, dense), accumulate_into, a_e4m3), None
+        return _sparse_product(buf, b8, sb, True, out_dtype, (slots, dense), accumulate_into, a_e4m3, pending), None
     return _sparse_product(buf, b8, sb, transpose_result, out_dtype, accumulate_into=accumulate_into,
-                           a_e4m3=a_e4m3), dense
+                           a_e4m3=a_e4m3, pending=pending), dense
 
 
 def _dequantized(q: Tensor, s: Tensor) -> Tensor:

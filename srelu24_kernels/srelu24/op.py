@@ -64,7 +64,7 @@ from ..float8 import sparse as fp8_sparse
 from ..float8 import paired as fp8_paired
 from ..float8.paired import Cast
 from .native import KERNELS
-from .options import OpOptions, StepState, WeightOperands
+from .options import PAIR_ADD, PAIR_KEEP, PAIR_OFF, GradPairs, OpOptions, StepState, WeightOperands
 from .reference import densest_from_counts, random_token_order
 from .sparsify import srelu_sparsify_2to4
 from .sparsify_backward import (a24_usable, backward_operands, backward_operands_from_a24, dense_slots,
@@ -153,9 +153,9 @@ def _weight_grad_mm(a, dense_rows: Optional[Tensor], b: Tensor, e4m3: bool, out_
 
 @torch.library.custom_op("srelu24::ffn_forward", mutates_args=())
 def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w1: Optional[Tensor],
-                grad_w2: Optional[Tensor], collect_stats: bool, keep_a24: bool, token_permutation: bool,
-                dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
-                sparse_float8: bool, defer_unscaling: bool
+                grad_w2: Optional[Tensor], pairs: list[Tensor], collect_stats: bool, keep_a24: bool,
+                token_permutation: bool, dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
+                sparse_float8: bool, defer_unscaling: bool, pairing: int
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(Y [T, d]; A24 [padded(T, 64), 9F/16] if keep_a24 else Z [T, F], for the backward;
     kept non-zeros per feature [F] int32; the statistics row [N_SUMS] float64, empty unless
@@ -168,7 +168,8 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
     dL/dY of the unscaled Y: a caller that defers must unscale Y with an identity gradient
     (_Unscaled), or its gradients are wrong. weights:
     WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the buffers it adds into),
-    taken here so that autograd hands them to it. keep_a24: `keeps_a24`,
+    taken here so that autograd hands them to it, as are pairs (GradPairs' tensors or []) and
+    pairing (PAIR_OFF, PAIR_KEEP, PAIR_ADD: _paired_weight_grads). keep_a24: `keeps_a24`,
     asked by the caller: an argument is part of a compiled graph and so of Inductor's on-disk
     cache key, which cannot see whether the CUDA kernels are built (a graph compiled with them,
     reused without, expected A24 where the op returned Z)."""
@@ -205,8 +206,8 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
 
 
 @ffn_forward.register_fake
-def _(x, w1, w2, weights, grad_w1, grad_w2, collect_stats, keep_a24, token_permutation, dense_feature_fraction,
-      reuse_forward_mask, float8, sparse_float8, defer_unscaling):
+def _(x, w1, w2, weights, grad_w1, grad_w2, pairs, collect_stats, keep_a24, token_permutation, dense_feature_fraction,
+      reuse_forward_mask, float8, sparse_float8, defer_unscaling, pairing):
     _check_dtypes("ffn_forward", w1, w2, x=x)
     T, F_ = x.shape[0], w1.shape[0]
     saved = x.new_empty(padded(T, ROWS_PER_BAND), F_ * 9 // 16) if keep_a24 else x.new_empty(T, F_)
@@ -256,13 +257,16 @@ def _input_grad(ops: _SparseOperands, saved: Tensor, da: Tensor, w1: Tensor, per
 
 
 def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Optional[Tensor], perm, dense, slots, w1: Tensor, w2: Tensor,
-                  o: OpOptions, grads: Optional[tuple[Tensor, Tensor]], dy_e4m3=None, x_e4m3=None) -> tuple[Tensor, Tensor]:
+                  o: OpOptions, grads: Optional[tuple[Tensor, Tensor]], dy_e4m3=None, x_e4m3=None,
+                  pairing: int = PAIR_OFF, pairs: Optional[GradPairs] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """(dW1 [F, d], dW2 [d, F]) in the weights' dtypes; with `grads`, added into them instead (and
     those returned). dy_e4m3, x_e4m3: dW2's and dW1's B, where _gradient_casts and _input_casts made
-    them (x is None then)."""
+    them (x is None then). pairing, pairs: _paired_weight_grads (None, None back where it keeps)."""
     g1, g2 = grads if grads is not None else (None, None)
     dy_p = pad_rows(dy[perm] if perm is not None else dy, COLS_PER_CHUNK)
     x_p = None if x_e4m3 is not None else pad_rows(x[perm] if perm is not None else x, COLS_PER_CHUNK)
+    if pairing != PAIR_OFF:
+        return _paired_weight_grads(ops, dy_p, x_p, dense, slots, grads, dy_e4m3, x_e4m3, pairing, pairs)
     (s_a, a_dense), (s_dz, dz_dense) = ops.a_tokens, ops.dz_tokens
     has_dense = dense is not None  # zero in the sparse products: the dense features' exact columns, rows
     dw2, dw2_dense = _weight_grad_mm(s_a, a_dense if has_dense else None, dy_p, o.e4m3, w2.dtype,
@@ -277,6 +281,60 @@ def _weight_grads(ops: _SparseOperands, dy: Tensor, x: Optional[Tensor], perm, d
         if g is not None and dw is not g:  # a bf16 path, which wrote its own product
             g.add_(dw)
     return (g1, g2) if grads is not None else (dw1, dw2)
+
+
+def _paired_weight_grads(ops: _SparseOperands, dy_p: Tensor, x_p: Optional[Tensor], dense, slots,
+                         grads: Optional[tuple[Tensor, Tensor]], dy_e4m3, x_e4m3, pairing: int,
+                         pairs: GradPairs) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The weight gradients' e4m3 products two micro-batches at a time (ffn.paired_grad_unscaling).
+    PAIR_KEEP, the first of a pair: the products are written, still scaled, into `pairs` (with their
+    scales and dense columns), nothing into .grad; (None, None). PAIR_ADD, the second: its products and
+    the kept ones are unscaled in one pass each (fp8_sparse.unscale's `pending`) and added into
+    `grads`, or made the new gradients where there are none yet. That pass reads 2 + 2 + 4 bytes an
+    element and writes 4, where two passes read 2 + 4 + 2 + 4 and write 8. The sums are those of the
+    unpaired op bit for bit, in the same order: the kept micro-batch's dW1 dense rows go into .grad
+    when it is kept (the 2:4 product is zero there), or, where there is no .grad yet, after the pair's pass
+    (two terms: the order of an fp32 sum of two does not change it)."""
+    (s_a, a_dense), (s_dz, dz_dense) = ops.a_tokens, ops.dz_tokens
+    has_dense = dense is not None
+    g1, g2 = grads if grads is not None else (None, None)
+    a2, a1 = (None, s_a) if isinstance(s_a, tuple) else (s_a, None)  # S(A24)^T in e4m3 from the backward's pass
+    if not (dy_e4m3 is not None and x_e4m3 is not None):
+        raise ValueError("srelu24: paired weight gradients need X's and dY's e4m3 casts (_pairs_token_casts)")
+    if pairing == PAIR_KEEP:
+        p2, _ = fp8_sparse.sparse_and_dense_mm(a2, a_dense if has_dense else None, dy_p, True, torch.float32, slots,
+                                               b_e4m3=dy_e4m3, a_e4m3=a1, keep=pairs.y2)
+        p1, rows1 = fp8_sparse.sparse_and_dense_mm(s_dz, dz_dense if has_dense else None, x_p, False, torch.float32,
+                                                   b_e4m3=x_e4m3, keep=pairs.y1)
+        torch._foreach_copy_([pairs.r2, pairs.c2, pairs.r1, pairs.c1], [p2.row_scale, p2.col_scale, p1.row_scale,
+                                                                        p1.col_scale])
+        if has_dense:
+            torch._foreach_copy_([pairs.slots2, pairs.g2], list(p2.dense_columns))
+            if g1 is not None:
+                write_dense_rows(g1, dense, rows1, accumulate=True)
+            else:
+                torch._foreach_copy_([pairs.dense1, pairs.rows1], [dense, rows1])
+        return None, None
+    kept2 = fp8_sparse.Pending(pairs.y2, pairs.r2, pairs.c2, (pairs.slots2, pairs.g2) if has_dense else None)
+    kept1 = fp8_sparse.Pending(pairs.y1, pairs.r1, pairs.c1, None)
+    dw2, _ = fp8_sparse.sparse_and_dense_mm(a2, a_dense if has_dense else None, dy_p, True, torch.float32, slots,
+                                            accumulate_into=g2, b_e4m3=dy_e4m3, a_e4m3=a1, pending=kept2)
+    dw1, rows1 = fp8_sparse.sparse_and_dense_mm(s_dz, dz_dense if has_dense else None, x_p, False, torch.float32,
+                                                accumulate_into=g1, b_e4m3=x_e4m3, pending=kept1)
+    if has_dense:
+        if g1 is None:  # the kept micro-batch's, which had no .grad to go into
+            write_dense_rows(dw1, pairs.dense1, pairs.rows1, accumulate=True)
+        write_dense_rows(dw1, dense, rows1, accumulate=True)
+    return dw1, dw2
+
+
+def add_kept(pairs: GradPairs, grads: tuple[Tensor, Tensor], has_dense: bool) -> None:
+    """A step that ends on the first of a pair (an odd number of micro-batches): its kept products
+    unscaled and added into .grad (its dense rows of dW1 are there already)."""
+    g1, g2 = grads
+    fp8_sparse.unscale(pairs.y2, row_scale=pairs.r2, col_scale=pairs.c2, out_dtype=torch.float32,
+                       dense_columns=(pairs.slots2, pairs.g2) if has_dense else None, accumulate_into=g2)
+    fp8_sparse.unscale(pairs.y1, row_scale=pairs.r1, col_scale=pairs.c1, out_dtype=torch.float32, accumulate_into=g1)
 
 
 def _pairs_token_casts(T: int, F_: int, o: OpOptions, device) -> bool:
@@ -339,19 +397,21 @@ def _gradient_casts(dy: Tensor, F_: int, o: OpOptions) -> tuple[Optional[tuple],
     return (for_da.values, for_da.inv), (for_dw2.values.t(), for_dw2.scale)
 
 
-@torch.library.custom_op("srelu24::ffn_backward", mutates_args=("grad_w1", "grad_w2"))
+@torch.library.custom_op("srelu24::ffn_backward", mutates_args=("grad_w1", "grad_w2", "pairs"))
 def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved: Tensor, counts: Tensor,
                  saved_a24: bool, weights: list[Tensor], grad_w1: Optional[Tensor], grad_w2: Optional[Tensor],
-                 x_cols: Optional[Tensor], x_scale: Optional[Tensor], a24_amax: Optional[Tensor],
+                 pairs: list[Tensor], x_cols: Optional[Tensor], x_scale: Optional[Tensor], a24_amax: Optional[Tensor],
                  token_permutation: bool, dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
-                 sparse_float8: bool, defer_unscaling: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 sparse_float8: bool, defer_unscaling: bool, pairing: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dX in bf16, dW1, dW2 in their weights' dtypes, dX's row [T] and column [d] scales where
     _defers_unscaling(backward=True), else empty: dX is then still scaled, as the forward's Y).
     saved: the forward's A24 (saved_a24) or Z.
     grad_w1, grad_w2 (both or neither; fp32, contiguous, the weights' shapes): dW1 and dW2 are
     added into them, and come back empty. x_cols, x_scale: X's cast for dW1 that the forward made
     (its fifth and sixth outputs, where not empty: e4m3 bytes as uint8), in place of x (None then).
-    a24_amax: the forward's last output where not empty (A24 saved): S(A24)^T is then written in e4m3."""
+    a24_amax: the forward's last output where not empty (A24 saved): S(A24)^T is then written in e4m3.
+    pairs, pairing: _paired_weight_grads (GradPairs' tensors); with PAIR_KEEP dW1 and dW2 come back
+    empty, nothing having been added anywhere yet."""
     _check_dtypes("ffn_backward", w1, w2, saved=saved, **({} if x is None else {"x": x}))
     if (x is None) == (x_cols is None):
         raise ValueError("srelu24::ffn_backward takes X or its cast for dW1 (the forward's x_cols, x_scale), one of them")
@@ -372,29 +432,34 @@ def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved:
     dx, dx_scales = _input_grad(ops, saved, da, w1, perm, T, o, kept,
                                 _defers_unscaling(ops.dz, w1, o, defer_unscaling, backward=True))
     dx_rows, dx_cols = dx_scales or (dx.new_empty(0, dtype=torch.float32), dx.new_empty(0, dtype=torch.float32))
+    if pairing != PAIR_OFF and not _pairs_token_casts(T, F_, o, dy.device):
+        raise ValueError("srelu24::ffn_backward pairs weight gradients only where X's and dY's casts are paired "
+                         "(_pairs_token_casts)")
     dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy_for_dw2,
-                             None if x_cols is None else (x_cols.view(fp8_paired.E4M3).t(), x_scale))
-    if grads is not None:
+                             None if x_cols is None else (x_cols.view(fp8_paired.E4M3).t(), x_scale),
+                             pairing, GradPairs(*pairs) if pairs else None)
+    if grads is not None or pairing == PAIR_KEEP:
         return dx.contiguous(), dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype), dx_rows, dx_cols
     return dx.contiguous(), dw1.contiguous(), dw2, dx_rows, dx_cols
 
 
 @ffn_backward.register_fake
-def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, x_cols, x_scale, a24_amax,
-      token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8, defer_unscaling):
+def _(dy, x, w1, w2, saved, counts, saved_a24, weights, grad_w1, grad_w2, pairs, x_cols, x_scale, a24_amax,
+      token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8, defer_unscaling, pairing):
     dx = torch.empty_like(dy, dtype=torch.bfloat16)  # X's shape
     o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
     deferred = _defers_unscaling(_compressed_like(dy, w1.shape[0]), w1, o, defer_unscaling, backward=True)
     scales = (dx.new_empty(dx.shape[0] if deferred else 0, dtype=torch.float32),
               dx.new_empty(dx.shape[1] if deferred else 0, dtype=torch.float32))
-    if grad_w1 is not None and grad_w2 is not None:
+    if grad_w1 is not None and grad_w2 is not None or pairing == PAIR_KEEP:
         return dx, dx.new_empty(0, dtype=w1.dtype), dx.new_empty(0, dtype=w2.dtype), *scales
     return dx, torch.empty_like(w1), torch.empty_like(w2), *scales
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, weights, g1, g2, _, keep_a24, *flags = inputs
+    x, w1, w2, weights, g1, g2, pairs, _, keep_a24, *flags = inputs
     ctx.flags = flags
+    ctx.pairing, ctx.n_pairs = flags[-1], len(pairs)
     ctx.saved_a24 = keep_a24
     # weights that want no gradient take the plain path: adding would give them a .grad
     ctx.in_place = g1 is not None and g2 is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
@@ -405,7 +470,7 @@ def _setup_context(ctx, inputs, output):
     xs = (x_cols, x_scale) if ctx.x_paired else (x,)
     ctx.a24_amax = a24_amax.numel() > 0
     ctx.save_for_backward(*xs, w1, w2, saved, counts, *((a24_amax,) if ctx.a24_amax else ()), *weights,
-                          *((g1, g2) if ctx.in_place else ()))
+                          *((g1, g2) if ctx.in_place else ()), *pairs)
     # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
     # for them before the backward, a memset of [T, F] per layer that buys nothing
     ctx.set_materialize_grads(False)
@@ -413,8 +478,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, *unused):  # only Y carries a gradient
     # the inputs' gradients: x, w1, w2, then one per kept conversion (a list), none for the rest
-    # (grad_w1, grad_w2, collect_stats, keep_a24, the flags)
-    no_grads = ([None] * ctx.n_weights, None, None, None, None) + (None,) * len(ctx.flags)
+    # (grad_w1, grad_w2, the pairs' buffers (a list), collect_stats, keep_a24, the flags)
+    no_grads = ([None] * ctx.n_weights, None, None, [None] * ctx.n_pairs, None, None) + (None,) * len(ctx.flags)
     if dy is None:  # Y unused by the loss (gradients are not materialised)
         return (None, None, None) + no_grads
     tensors = ctx.saved_tensors
@@ -422,13 +487,14 @@ def _backward(ctx, dy, *unused):  # only Y carries a gradient
     x, x_cols, x_scale = (None, *tensors[:2]) if ctx.x_paired else (tensors[0], None, None)
     w1, w2, saved, counts, *rest = tensors[n:]
     a24_amax, rest = (rest[0], rest[1:]) if ctx.a24_amax else (None, rest)
-    weights, grads = rest[:ctx.n_weights], rest[ctx.n_weights:] or (None, None)
+    weights, rest = rest[:ctx.n_weights], rest[ctx.n_weights:]
+    grads, pairs = (rest[:2], rest[2:]) if ctx.in_place else ((None, None), rest)
     dx, dw1, dw2, dx_rows, dx_cols = ffn_backward(dy, x, w1, w2, saved, counts, ctx.saved_a24, weights, *grads,
-                                                  x_cols, x_scale, a24_amax, *ctx.flags)
+                                                  list(pairs), x_cols, x_scale, a24_amax, *ctx.flags)
     if dx_rows.numel():  # traced into the compiled backward, where it fuses into the norm's backward
         dx = fp8_sparse.unscaled(dx, dx_rows, dx_cols)
-    if ctx.in_place:  # already in the buffers: autograd accumulates nothing for W1, W2
-        dw1 = dw2 = None
+    if ctx.in_place or ctx.pairing == PAIR_KEEP:  # in the buffers already, or kept for the next micro-batch:
+        dw1 = dw2 = None                           # autograd accumulates nothing for W1, W2
     return (dx, dw1, dw2) + no_grads
 
 
@@ -466,13 +532,20 @@ def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), sta
     shape = x.shape
     kept = step.weights.flat() if step is not None and step.weights is not None else []
     g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
+    pairs, pairing = [], PAIR_OFF
+    # paired where the op's casts of X and dY are (_pairs_token_casts; the device's part was checked
+    # when the step state was opened), the same for every micro-batch of a step
+    if (step is not None and step.pairs is not None and (x.numel() // shape[-1]) % 64 == 0
+            and not (options.recipe.token_permutation and not tokens_permuted)):
+        pairs, pairing = list(step.pairs), PAIR_KEEP if step.micro_batches.keep else PAIR_ADD
+        step.paired = True
     keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)  # decided here: a constant of the compiled graph
     # compiled: Y and dX leave the op still scaled, their unscaling fused into what reads them (by
     # Inductor; under aot_eager, a test backend, the unscaling runs as four elementwise passes)
     defer = options.e4m3 and torch.compiler.is_compiling()
     y, _, _, row, _, _, _, y_rows, y_cols = ffn_forward(
         x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3), _op_weight(w2, options.e4m3), kept,
-        g1, g2, stats is not None, keep, *options.flags(tokens_permuted), defer)
+        g1, g2, pairs, stats is not None, keep, *options.flags(tokens_permuted), defer, pairing)
     if y_rows.numel():
         y = _Unscaled.apply(y, y_rows, y_cols)
     if stats is not None:

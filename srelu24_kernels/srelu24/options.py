@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple, Optional
 
+import torch
 from torch import Tensor
 
 from .reference import SReLU24Recipe
@@ -60,6 +61,48 @@ class WeightOperands(NamedTuple):
         return cls(*zip(tensors[0::2], tensors[1::2])) if tensors else None
 
 
+# srelu24's weight gradients two micro-batches at a time (StepState.pairs): the op keeps the first
+# one's e4m3 products still scaled, and unscales both with the second's, in one pass
+PAIR_OFF, PAIR_KEEP, PAIR_ADD = 0, 1, 2
+
+
+class GradPairs(NamedTuple):
+    """The buffers a kept micro-batch's weight-gradient products wait in (srelu24_kernels/srelu24/op.py,
+    `_paired_weight_grads`): each product as cuSPARSELt wrote it (bf16, still scaled) with its row and
+    column scales; for dW2 its dense features' columns (slots [F] int32, their rows [k, d]), for dW1
+    its dense rows (features [k], rows [k, d]), kept only where no .grad was there to add them into."""
+    y1: Tensor       # [F, d] bf16
+    r1: Tensor       # [F]
+    c1: Tensor       # [d]
+    dense1: Tensor   # [k] int64
+    rows1: Tensor    # [k, d] bf16
+    y2: Tensor       # [d, F] bf16
+    r2: Tensor       # [d]
+    c2: Tensor       # [F]
+    slots2: Tensor   # [F] int32
+    g2: Tensor       # [k, d] bf16
+
+    @classmethod
+    def empty(cls, F_: int, d: int, k: int, device) -> "GradPairs":
+        f32, bf16 = torch.float32, torch.bfloat16
+        e = lambda *shape, dtype=f32: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(e(F_, d, dtype=bf16), e(F_), e(d), e(k, dtype=torch.int64), e(k, d, dtype=bf16),
+                   e(d, F_, dtype=bf16), e(d), e(F_), e(F_, dtype=torch.int32), e(k, d, dtype=bf16))
+
+
+@dataclass
+class MicroBatches:
+    """Where an optimizer step is in its micro-batches, for the FFNs that pair their weight gradients:
+    `keep` is true on the first of each pair (0, 2, 4, ...), a bool (a compiled block recompiles per
+    value it reads: two, not one per index). training/step.py advances it after each backward; a
+    recomputed forward (activation checkpointing) reads the same value as its micro-batch's first."""
+    keep: bool = True
+    done: int = 0
+
+    def advance(self) -> None:
+        self.keep, self.done = not self.keep, self.done + 1
+
+
 @dataclass
 class StepState:
     """What the micro-batches of one optimizer step share, for one FFN: its weights' conversions,
@@ -71,5 +114,8 @@ class StepState:
     conversions into it (training/cuda_graph.py)."""
     weights: Optional[WeightOperands] = None
     grads: Optional[tuple[Tensor, Tensor]] = None
+    pairs: Optional[GradPairs] = None           # ffn.paired_grad_unscaling, where the op can pair
+    micro_batches: Optional[MicroBatches] = None  # shared by the step's FFNs, with pairs
+    paired: bool = False                        # the op has paired this step (a product may wait)
 
 
