@@ -231,3 +231,22 @@ def test_paired_gradients_on_the_gpu_are_the_unpaired_ones_bit_for_bit(n, compil
                 micro_batches.advance()
         out.append((m.w1.weight.grad, m.w2.weight.grad))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_the_memory_estimate_counts_the_kept_products():
+    from dataclasses import replace
+
+    from model import FFNConfig, ModelConfig, ffn_hidden_dim
+    from training.config import Float8, Strategy, TrainerConfig
+    from training.memory import PAIRED_PRODUCTS, estimate
+
+    m = ModelConfig(name="7b", dim=4096, n_layers=8, n_heads=32, swiglu_hidden=11008)
+    f = FFNConfig(kind="srelu24", paired_grad_unscaling=True)
+    accum = TrainerConfig(seq_len=4096, batch_size=16, micro_batch_size=2, float8=Float8.tensorwise)
+    e = estimate(m, f, 32000, accum)
+    assert e.parts[PAIRED_PRODUCTS] == 2 * 2 * m.dim * ffn_hidden_dim(m, f) * m.n_layers  # dW1, dW2 in bf16
+    assert e.peak == estimate(m, replace(f, paired_grad_unscaling=False), 32000, accum).peak + e.parts[PAIRED_PRODUCTS]
+    for other in (replace(accum, batch_size=2), replace(accum, float8=Float8.rowwise),
+                  replace(accum, strategy=Strategy.fsdp), replace(accum, cuda_graph=True)):
+        assert PAIRED_PRODUCTS not in estimate(m, f, 32000, other).parts
+    assert PAIRED_PRODUCTS not in estimate(m, replace(f, paired_grad_unscaling=False), 32000, accum).parts

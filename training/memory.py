@@ -30,7 +30,9 @@ batch_size > micro_batch_size x world size) the gradients of the earlier micro-b
 throughout, and so, for srelu24 with trainer.float8 and its 2:4 GEMMs in e4m3 on fp32 weights (no
 FSDP), are its kept e4m3 weight conversions (srelu24_kernels/srelu24/op.py, convert_weights): four
 of d x F bytes per layer, until the optimizer step; under tensorwise they are kept with one
-micro-batch too (model/ffn.py, conversions_kept).
+micro-batch too (model/ffn.py, conversions_kept). With ffn.paired_grad_unscaling (tensorwise, eager,
+one process) one micro-batch's bf16 weight-gradient products wait for the next: two of 2 x d x F
+bytes per layer.
 
 The two per-token constants of the transients (16 bytes per d, 8 per parameter) and the 20 bytes
 per d of the block's kept activations are calibrated against torch.cuda.max_memory_allocated of
@@ -60,6 +62,7 @@ BLOCK_GRAD_TRANSIENT_BYTES = 8       # per parameter of the block in backward, b
 FFN_KEPT = {"swiglu": 3.0, "srelu": 2.0}  # bf16 hidden-sized tensors kept for the backward
 A24_OF_Z = 9 / 16                    # srelu24's compressed A24 against Z: half the values + 2 bits each
 KEPT_CONVERSIONS = "srelu24's kept e4m3 weight conversions"
+PAIRED_PRODUCTS = "srelu24's kept weight-gradient products (ffn.paired_grad_unscaling)"
 WEIGHT_COPIES = "bf16 copies of the blocks' weights (autocast)"
 GRAPH_POOL = "CUDA graph's pool (a micro-batch's activations, kept)"
 
@@ -162,6 +165,10 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     if e4m3_op and keeps_conversions(grad_accumulation, t.float8):
         # W1's rows and columns, W2's rows and columns: 4 per layer of d x F bytes (e4m3)
         e.parts[KEPT_CONVERSIONS] = 4 * d * ffn_hidden_dim(mcfg, fcfg) * L
+    if (e4m3_op and grad_accumulation and fcfg.paired_grad_unscaling and t.float8 == Float8.tensorwise
+            and not ddp and not t.cuda_graph):
+        # one micro-batch's dW1 and dW2 products in bf16, waiting for the next (model/ffn.py, begin_step)
+        e.parts[PAIRED_PRODUCTS] = 2 * 2 * d * ffn_hidden_dim(mcfg, fcfg) * L
 
     if t.cuda_graph:
         # training/cuda_graph.py: the graph's private pool keeps what a micro-batch allocates, and an
@@ -169,11 +176,13 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         # is allocated for the whole run
         e.parts[GRAPH_POOL] = e.parts["activations"] + int(max(head, block)) + e.parts.get(WEIGHT_COPIES, 0)
     resident = sum(v for k, v in e.parts.items()
-                   if k not in ("gradients (fp32)", "activations", KEPT_CONVERSIONS, WEIGHT_COPIES, GRAPH_POOL)
+                   if k not in ("gradients (fp32)", "activations", KEPT_CONVERSIONS, PAIRED_PRODUCTS, WEIGHT_COPIES,
+                                GRAPH_POOL)
                    and not k.startswith("largest transient"))
     backward = resident + e.parts["activations"] + max(head, block) + (e.parts["gradients (fp32)"]
                                                                         if kept_grads else 0)
-    backward += e.parts.get(KEPT_CONVERSIONS, 0) + e.parts.get(WEIGHT_COPIES, 0) + e.parts.get(GRAPH_POOL, 0)
+    backward += (e.parts.get(KEPT_CONVERSIONS, 0) + e.parts.get(PAIRED_PRODUCTS, 0) + e.parts.get(WEIGHT_COPIES, 0)
+                 + e.parts.get(GRAPH_POOL, 0))
     step = resident + e.parts["gradients (fp32)"]
     e.peak, e.peak_phase = (int(backward), "backward") if backward >= step else (int(step), "optimizer step")
     return e
