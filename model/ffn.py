@@ -221,7 +221,10 @@ class SReLU24(SReLU):
             def take(_):  # a post-accumulate-grad hook returns None
                 self._take_grads(state)
             self._grad_hooks = [w.register_post_accumulate_grad_hook(take) for w in (w1, w2)]
-        if (self.paired_grad_unscaling and grads_in_place and micro_batches is not None
+        # a .grad there but not taken (one weight's only, or laid out otherwise) would get the first
+        # pair's sum added by autograd, in another order: no pairs then
+        grads_known = state.grads is not None or (w1.grad is None and w2.grad is None)
+        if (self.paired_grad_unscaling and grads_in_place and grads_known and micro_batches is not None
                 and self.options.float8 == "tensorwise" and fp8_sparse.available(w1.device)):
             k = int(round(self.recipe.dense_feature_fraction * w1.shape[0]))  # densest_from_counts' k
             state.pairs, state.micro_batches = GradPairs.empty(w1.shape[0], w1.shape[1], k, w1.device), micro_batches
@@ -246,7 +249,7 @@ class SReLU24(SReLU):
         if self.step_state is None:
             return
         state, self.step_state = self.step_state, None
-        if state.paired and state.micro_batches.done % 2:  # ended on the first of a pair: its products wait
+        if state.pairs is not None and state.micro_batches.done % 2:  # ended on a pair's first: its products wait
             from srelu24_kernels.srelu24.op import add_kept
 
             if state.grads is not None:  # None only where the step failed before its second micro-batch

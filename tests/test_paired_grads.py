@@ -96,8 +96,10 @@ def _step(m, batches, fwd=None, grads_there: bool = False) -> tuple:
     from model.ffn import srelu24_step
 
     fwd = fwd if fwd is not None else m
-    if grads_there:
-        m.w1.weight.grad, m.w2.weight.grad = torch.zeros_like(m.w1.weight), torch.zeros_like(m.w2.weight)
+    if grads_there:  # not zeros: adding into them in another order would show
+        g = torch.Generator().manual_seed(9)
+        m.w1.weight.grad, m.w2.weight.grad = torch.randn(m.w1.weight.shape, generator=g), torch.randn(m.w2.weight.shape,
+                                                                                                    generator=g)
     with srelu24_step(m, keep_conversions=True, grads_in_place=True) as micro_batches:
         paired = m.step_state is not None and m.step_state.pairs is not None
         for x, dy in batches:
@@ -186,6 +188,45 @@ def test_no_pairs_without_the_switch_without_several_micro_batches_or_outside_te
     with srelu24_step(m, keep_conversions=True, grads_in_place=True):
         assert m.step_state.pairs is not None and m.step_state.pairs.y1.shape == (128, 64)
     assert m.step_state is None
+
+
+def test_a_grad_of_one_weight_only_is_not_paired(monkeypatch):
+    """A .grad the step cannot take (W1's only) would get the first pair's sum added by autograd in
+    another order: such a step does not pair, and its gradients are the unpaired op's."""
+    from model.ffn import srelu24_step
+
+    _e4m3_path_on_the_cpu(monkeypatch)
+    w1, w2 = _weights()
+    m = _module(w1, w2, True)
+    m.w1.weight.grad = torch.randn(m.w1.weight.shape)
+    with srelu24_step(m, keep_conversions=True, grads_in_place=True):
+        assert m.step_state.pairs is None
+
+
+def test_a_micro_batch_the_op_cannot_pair_is_refused_in_one_line(monkeypatch):
+    """Tokens not a multiple of 64 (the e4m3 layout): the backward says what to set, rather than
+    leaving a kept product without its pair."""
+    from model.ffn import srelu24_step
+
+    _e4m3_path_on_the_cpu(monkeypatch)
+    w1, w2 = _weights()
+    m = _module(w1, w2, True)
+    x, dy = _batches(1, T=96)[0]
+    with pytest.raises(ValueError, match="set ffn.paired_grad_unscaling=false"):
+        with srelu24_step(m, keep_conversions=True, grads_in_place=True):
+            m(x.clone().requires_grad_()).backward(dy)
+
+
+def test_the_config_check_refuses_micro_batches_the_op_cannot_pair():
+    from helpers import compose_config, to_object
+    from training.config_checks import check_config
+    from training.errors import ConfigError
+
+    ok = ["ffn=srelu24", "ffn.paired_grad_unscaling=true", "trainer.micro_batch_size=2"]
+    check_config(to_object(compose_config(ok + ["trainer.seq_len=96"])))  # 192 tokens
+    with pytest.raises(ConfigError) as e:
+        check_config(to_object(compose_config(ok + ["trainer.seq_len=100"])))
+    assert "ffn.paired_grad_unscaling=true needs the tokens of a micro-batch" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_switch_reaches_the_module_from_the_config():

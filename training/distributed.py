@@ -159,8 +159,9 @@ def exit_process(code) -> None:
 
 # The compiled variants of a block: each phase (srelu24's dense warmup, 2:4) with and without the
 # FFN statistics, evaluation (no grad), and in the 2:4 phase under srelu24's step state a step's first
-# micro-batch (no .grad to add into yet) and the later ones. One CPU run of every case reached 8,
-# torch's default limit, past which dynamo runs the block eagerly for the rest of the run.
+# micro-batch (no .grad to add into yet) and the later ones, each twice with ffn.paired_grad_unscaling
+# (a pair's first and second). One CPU run of every case without pairing reached 8, torch's default
+# limit, past which dynamo runs the block eagerly for the rest of the run.
 BLOCK_RECOMPILE_LIMIT = 16
 
 

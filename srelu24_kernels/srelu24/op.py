@@ -433,8 +433,9 @@ def ffn_backward(dy: Tensor, x: Optional[Tensor], w1: Tensor, w2: Tensor, saved:
                                 _defers_unscaling(ops.dz, w1, o, defer_unscaling, backward=True))
     dx_rows, dx_cols = dx_scales or (dx.new_empty(0, dtype=torch.float32), dx.new_empty(0, dtype=torch.float32))
     if pairing != PAIR_OFF and not _pairs_token_casts(T, F_, o, dy.device):
-        raise ValueError("srelu24::ffn_backward pairs weight gradients only where X's and dY's casts are paired "
-                         "(_pairs_token_casts)")
+        raise ValueError(f"ffn.paired_grad_unscaling needs X's and dY's e4m3 casts paired: the tensorwise recipe, "
+                         f"tokens a multiple of 64 and none permuted by the op (got {T} tokens, token_permutation "
+                         f"{o.recipe.token_permutation}); set ffn.paired_grad_unscaling=false")
     dw1, dw2 = _weight_grads(ops, dy, x, perm, dense, slots, w1, w2, o, grads, dy_for_dw2,
                              None if x_cols is None else (x_cols.view(fp8_paired.E4M3).t(), x_scale),
                              pairing, GradPairs(*pairs) if pairs else None)
@@ -533,12 +534,11 @@ def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), sta
     kept = step.weights.flat() if step is not None and step.weights is not None else []
     g1, g2 = step.grads if step is not None and step.grads is not None else (None, None)
     pairs, pairing = [], PAIR_OFF
-    # paired where the op's casts of X and dY are (_pairs_token_casts; the device's part was checked
-    # when the step state was opened), the same for every micro-batch of a step
-    if (step is not None and step.pairs is not None and (x.numel() // shape[-1]) % 64 == 0
-            and not (options.recipe.token_permutation and not tokens_permuted)):
+    # every micro-batch of a step with pairs is paired (the backward refuses one whose casts of X and dY
+    # are not: tokens a multiple of 64, no order drawn by the op; the trainer's config check asks the
+    # first, its blocks do the second): a step that ends on a pair's first adds it then (end_step)
+    if step is not None and step.pairs is not None:
         pairs, pairing = list(step.pairs), PAIR_KEEP if step.micro_batches.keep else PAIR_ADD
-        step.paired = True
     keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)  # decided here: a constant of the compiled graph
     # compiled: Y and dX leave the op still scaled, their unscaling fused into what reads them (by
     # Inductor; under aot_eager, a test backend, the unscaling runs as four elementwise passes)

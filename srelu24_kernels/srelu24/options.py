@@ -95,7 +95,9 @@ class MicroBatches:
     """Where an optimizer step is in its micro-batches, for the FFNs that pair their weight gradients:
     `keep` is true on the first of each pair (0, 2, 4, ...), a bool (a compiled block recompiles per
     value it reads: two, not one per index). training/step.py advances it after each backward; a
-    recomputed forward (activation checkpointing) reads the same value as its micro-batch's first."""
+    recomputed forward (activation checkpointing) reads the same value as its micro-batch's first.
+    Whoever opens srelu24_step and runs micro-batches must advance it after each one, and each
+    FFN runs once a micro-batch: a pair's first is kept until its second comes."""
     keep: bool = True
     done: int = 0
 
@@ -114,8 +116,7 @@ class StepState:
     conversions into it (training/cuda_graph.py)."""
     weights: Optional[WeightOperands] = None
     grads: Optional[tuple[Tensor, Tensor]] = None
-    pairs: Optional[GradPairs] = None           # ffn.paired_grad_unscaling, where the op can pair
+    pairs: Optional[GradPairs] = None           # ffn.paired_grad_unscaling: every micro-batch paired
     micro_batches: Optional[MicroBatches] = None  # shared by the step's FFNs, with pairs
-    paired: bool = False                        # the op has paired this step (a product may wait)
 
 
