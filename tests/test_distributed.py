@@ -447,6 +447,85 @@ def test_activation_checkpointing_recomputes_the_chosen_blocks(mode, recomputed)
         assert torch.equal(g, grads[mode][n]), n
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_checkpointed_blocks_are_compiled_and_train_as_without(monkeypatch, mode):
+    """trainer.compile with activation checkpointing: every block is traced (a frame for the block
+    and one for the loss head; checkpointing as the block's forward once left the blocks eager, with
+    no frame at all), and the gradients are those of the compiled model without checkpointing."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from model import FFNConfig, ModelConfig, Transformer
+    from training.config import TrainerConfig
+    from training.distributed import Dist, build_model
+
+    mcfg = ModelConfig(name="t", dim=32, n_layers=4, n_heads=2, swiglu_hidden=64, max_seq_len=16)
+    x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    compile_ = torch.compile
+    grads, frames = {}, {}
+    for m in ("none", mode):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: compile_(fn, backend=counter))
+        model, _ = build_model(lambda: Transformer(mcfg, FFNConfig(kind="srelu"), 50),
+                               TrainerConfig(activation_checkpointing=m, compile=True), Dist(), seed=0, bf16_params=False)
+        model(x, x).backward()
+        grads[m] = {n: p.grad for n, p in model.named_parameters()}
+        frames[m] = counter.frame_count
+    # none: the block and the loss head; selective: also the checkpointed block's own frame
+    assert frames["none"] == 2 and frames[mode] == {"selective": 3, "full": 2}[mode], frames
+    for n, g in grads["none"].items():
+        torch.testing.assert_close(grads[mode][n], g, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["srelu", "srelu24"])
+def test_checkpointed_compiled_blocks_train_as_without_on_the_gpu(kind):
+    """As the trainer builds the model on a GPU (float8 tensorwise, Inductor, srelu24's kernels and
+    step state through its switch to 2:4): with full checkpointing dynamo breaks no graph but at the
+    FFN statistics (kept out of graphs on purpose, the last step only), and four
+    steps (two micro-batches each, SGD) move the weights as without checkpointing, to within 2% of
+    the move (the recomputed forward is compiled into other kernels: not the same bits)."""
+    from torch._dynamo.utils import counters
+
+    from model import FFNConfig, ModelConfig, Transformer
+    from training.config import Float8, TrainerConfig
+    from training.distributed import Dist, build_model
+    from training.step import StepParts, TrainState, train_step
+
+    dev = torch.device("cuda")
+    f8 = Float8.tensorwise if torch.cuda.get_device_capability(dev) >= (8, 9) else Float8.none
+    B, L, V = 8, 256, 512
+
+    def go(mode: str):
+        torch._dynamo.reset()
+        counters.clear()
+        t = TrainerConfig(compile=True, float8=f8, device="cuda", activation_checkpointing=mode)
+        cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, max_seq_len=L)
+        m, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=kind, hidden_dim=1024), V, float8=f8.value),
+                           t, Dist(device=dev), 0, False)
+        start = {n: p.detach().float().clone() for n, p in m.named_parameters()}
+        parts = StepParts(model=m, train_module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), dist=Dist(device=dev),
+                          accum=2, tokens_per_step=2 * B * L, lr_at=lambda s: 0.1, grad_clip=1.0,
+                          sparse_from=2 if kind == "srelu24" else None,
+                          autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        g = torch.Generator().manual_seed(3)
+        toks = [torch.randint(0, V, (B, L + 1), generator=g) for _ in range(8)]
+        data = iter([(x[:, :-1].contiguous().to(dev), x[:, 1:].contiguous().to(dev)) for x in toks])
+        torch.manual_seed(11)
+        state = TrainState()
+        for i in range(4):
+            train_step(parts, state, data.__next__, log=i == 3, stats=i == 3)
+        return start, {n: p.detach().float() for n, p in m.named_parameters()}, dict(counters["graph_break"])
+
+    start, plain, _ = go("none")
+    _, ckpt, breaks = go("full")
+    assert all("torch.compiler.disable" in why for why in breaks), breaks
+    for n, w in plain.items():
+        moved = (w - start[n]).norm()
+        assert (ckpt[n] - w).norm() <= 0.02 * moved + 1e-6, n
+
+
 def test_a_compiled_model_leaves_room_for_every_variant_of_its_blocks():
     """trainer.compile raises dynamo's recompile limit to BLOCK_RECOMPILE_LIMIT, above the variants a
     block compiles (phases, statistics, evaluation, srelu24's first and later micro-batches)."""

@@ -209,7 +209,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: ActivationCheckpointi
     blocks = {ActivationCheckpointing.none: [], ActivationCheckpointing.selective: list(model.layers)[::2],
               ActivationCheckpointing.full: list(model.layers)}[mode]
     for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = functools.partial(checkpointed, block.forward)
+
+
+def checkpointed(forward, *args, **kwargs):
+    """`forward` under non-reentrant activation checkpointing. A frame of our own around torch's
+    checkpoint: block.compile() traces it and turns the checkpoint into dynamo's higher-order op,
+    so a checkpointed block is compiled. With torch's checkpoint itself as the block's forward
+    dynamo found no frame it could trace (checkpoint is marked to skip dynamo) and the block ran
+    eagerly, silently, with trainer.compile=true."""
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def shard(model: nn.Module, d: Dist, bf16_params: bool) -> None:
