@@ -483,9 +483,10 @@ def test_checkpointed_blocks_are_compiled_and_train_as_without(monkeypatch, mode
 def test_checkpointed_compiled_blocks_train_as_without_on_the_gpu(kind):
     """As the trainer builds the model on a GPU (float8 tensorwise, Inductor, srelu24's kernels and
     step state through its switch to 2:4): with full checkpointing dynamo breaks no graph but at the
-    FFN statistics (kept out of graphs on purpose, the last step only), and four
-    steps (two micro-batches each, SGD) move the weights as without checkpointing, to within 2% of
-    the move (the recomputed forward is compiled into other kernels: not the same bits)."""
+    FFN statistics (kept out of graphs on purpose, the last step only), and after four steps (two
+    micro-batches each, SGD) the weights are as close to the compiled model's without checkpointing
+    as the eager model's are (the recomputed forward is compiled into other kernels: not the same
+    bits, but no further off than compiling itself moves them)."""
     from torch._dynamo.utils import counters
 
     from model import FFNConfig, ModelConfig, Transformer
@@ -497,14 +498,13 @@ def test_checkpointed_compiled_blocks_train_as_without_on_the_gpu(kind):
     f8 = Float8.tensorwise if torch.cuda.get_device_capability(dev) >= (8, 9) else Float8.none
     B, L, V = 8, 256, 512
 
-    def go(mode: str):
+    def go(mode: str, compiled: bool = True):
         torch._dynamo.reset()
         counters.clear()
-        t = TrainerConfig(compile=True, float8=f8, device="cuda", activation_checkpointing=mode)
+        t = TrainerConfig(compile=compiled, float8=f8, device="cuda", activation_checkpointing=mode)
         cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, max_seq_len=L)
         m, _ = build_model(lambda: Transformer(cfg, FFNConfig(kind=kind, hidden_dim=1024), V, float8=f8.value),
                            t, Dist(device=dev), 0, False)
-        start = {n: p.detach().float().clone() for n, p in m.named_parameters()}
         parts = StepParts(model=m, train_module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), dist=Dist(device=dev),
                           accum=2, tokens_per_step=2 * B * L, lr_at=lambda s: 0.1, grad_clip=1.0,
                           sparse_from=2 if kind == "srelu24" else None,
@@ -516,14 +516,14 @@ def test_checkpointed_compiled_blocks_train_as_without_on_the_gpu(kind):
         state = TrainState()
         for i in range(4):
             train_step(parts, state, data.__next__, log=i == 3, stats=i == 3)
-        return start, {n: p.detach().float() for n, p in m.named_parameters()}, dict(counters["graph_break"])
+        return {n: p.detach().float() for n, p in m.named_parameters()}, dict(counters["graph_break"])
 
-    start, plain, _ = go("none")
-    _, ckpt, breaks = go("full")
+    plain, _ = go("none")
+    eager, _ = go("none", compiled=False)
+    ckpt, breaks = go("full")
     assert all("torch.compiler.disable" in why for why in breaks), breaks
-    for n, w in plain.items():
-        moved = (w - start[n]).norm()
-        assert (ckpt[n] - w).norm() <= 0.02 * moved + 1e-6, n
+    off = {n: ((ckpt[n] - w).norm().item(), (eager[n] - w).norm().item()) for n, w in plain.items()}
+    assert all(c <= 2 * e + 1e-6 for c, e in off.values()), off
 
 
 def test_a_compiled_model_leaves_room_for_every_variant_of_its_blocks():
