@@ -451,7 +451,8 @@ def test_activation_checkpointing_recomputes_the_chosen_blocks(mode, recomputed)
 def test_checkpointed_blocks_are_compiled_and_train_as_without(monkeypatch, mode):
     """trainer.compile with activation checkpointing: every block is traced (a frame for the block
     and one for the loss head; checkpointing as the block's forward once left the blocks eager, with
-    no frame at all), and the gradients are those of the compiled model without checkpointing."""
+    no frame at all), a step after one that collected the FFN statistics (which run outside graphs)
+    is compiled too, and the gradients are those of the compiled model without checkpointing."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from model import FFNConfig, ModelConfig, Transformer
@@ -469,8 +470,18 @@ def test_checkpointed_blocks_are_compiled_and_train_as_without(monkeypatch, mode
         model, _ = build_model(lambda: Transformer(mcfg, FFNConfig(kind="srelu"), 50),
                                TrainerConfig(activation_checkpointing=m, compile=True), Dist(), seed=0, bf16_params=False)
         model(x, x).backward()
-        grads[m] = {n: p.grad for n, p in model.named_parameters()}
         frames[m] = counter.frame_count
+        model.zero_grad()
+        torch._dynamo.reset()  # now the statistics' step first, as a trainer's first logged step
+        counter.frame_count = 0
+        model.collect_ffn_stats(True)
+        model(x, x).backward()
+        model.collect_ffn_stats(False)
+        model.zero_grad()
+        after_stats = counter.frame_count
+        model(x, x).backward()
+        assert counter.frame_count > after_stats, f"{m}: the step after the statistics' ran its blocks eagerly"
+        grads[m] = {n: p.grad for n, p in model.named_parameters()}
     # none: the block and the loss head; selective: also the checkpointed block's own frame
     assert frames["none"] == 2 and frames[mode] == {"selective": 3, "full": 2}[mode], frames
     for n, g in grads["none"].items():
@@ -483,7 +494,7 @@ def test_checkpointed_blocks_are_compiled_and_train_as_without(monkeypatch, mode
 def test_checkpointed_compiled_blocks_train_as_without_on_the_gpu(kind):
     """As the trainer builds the model on a GPU (float8 tensorwise, Inductor, srelu24's kernels and
     step state through its switch to 2:4): with full checkpointing dynamo breaks no graph but at the
-    FFN statistics (kept out of graphs on purpose, the last step only), and after four steps (two
+    FFN statistics (kept out of graphs on purpose; the first and the last step), and after four steps (two
     micro-batches each, SGD) the weights are as close to the compiled model's without checkpointing
     as the eager model's are (the recomputed forward is compiled into other kernels: not the same
     bits, but no further off than compiling itself moves them)."""
@@ -515,7 +526,7 @@ def test_checkpointed_compiled_blocks_train_as_without_on_the_gpu(kind):
         torch.manual_seed(11)
         state = TrainState()
         for i in range(4):
-            train_step(parts, state, data.__next__, log=i == 3, stats=i == 3)
+            train_step(parts, state, data.__next__, log=i in (0, 3), stats=i in (0, 3))
         return {n: p.detach().float() for n, p in m.named_parameters()}, dict(counters["graph_break"])
 
     plain, _ = go("none")

@@ -213,11 +213,17 @@ def apply_activation_checkpointing(model: nn.Module, mode: ActivationCheckpointi
 
 
 def checkpointed(forward, *args, **kwargs):
-    """`forward` under non-reentrant activation checkpointing. A frame of our own around torch's
-    checkpoint: block.compile() traces it and turns the checkpoint into dynamo's higher-order op,
-    so a checkpointed block is compiled. With torch's checkpoint itself as the block's forward
+    """`forward` (a block's) under non-reentrant activation checkpointing. A frame of our own around
+    torch's checkpoint: block.compile() traces it and turns the checkpoint into dynamo's higher-order
+    op, so a checkpointed block is compiled. With torch's checkpoint itself as the block's forward
     dynamo found no frame it could trace (checkpoint is marked to skip dynamo) and the block ran
     eagerly, silently, with trainer.compile=true."""
+    if forward.__self__.feed_forward.collect_stats:
+        # The FFN statistics stay out of graphs (srelu24_kernels/ffn_stats.py): the checkpoint of a
+        # step that collects them runs eagerly. This branch makes dynamo guard on the flag, so that
+        # the other steps get their own compiled checkpoint; without it that first eager fallback
+        # was kept for every later step.
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
