@@ -51,7 +51,7 @@ class FFNConfig:
     sparse_gemm_alg: Optional[int] = None
     # under gradient accumulation in eager steps (tensorwise, e4m3 2:4 GEMMs, sm90): dW1 and dW2 unscaled two
     # micro-batches a pass, the same bits, keeping one micro-batch's products (2 bytes an element of W1 and W2)
-    paired_grad_unscaling: bool = False
+    paired_grad_unscaling: bool = True
 
     def __post_init__(self):  # also where Hydra's config becomes objects: an unknown kind fails at start-up
         check_ffn_kind(self.kind)

@@ -142,7 +142,7 @@ class SReLU24(SReLU):
     hidden_multiple = 64
 
     def __init__(self, dim: int, hidden: int, options: OpOptions = OpOptions(), kernels: bool = True,
-                 paired_grad_unscaling: bool = False):
+                 paired_grad_unscaling: bool = True):
         super().__init__(dim, hidden)
         if hidden % 4:
             raise ValueError(f"srelu24 needs a hidden size divisible by 4, got {hidden}")

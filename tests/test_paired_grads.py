@@ -173,6 +173,39 @@ def test_compiled_paired_steps_are_the_eager_ones_and_compile_once_per_half_of_a
     assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_checkpointed_paired_steps_are_the_unpaired_ones(monkeypatch, compiled):
+    """Under activation checkpointing (training/distributed.py's, as the trainer applies it to a block;
+    compiled: dynamo's checkpoint operator, aot_eager), a recomputed forward reads the same half of
+    its pair: steps of four micro-batches give the unpaired eager module's gradients, bit for bit."""
+    import functools
+
+    from training.distributed import checkpointed
+
+    class Block(torch.nn.Module):  # what checkpointed reads of a block: its feed_forward
+        def __init__(self, ffn):
+            super().__init__()
+            self.feed_forward = ffn
+
+        def forward(self, x):
+            return self.feed_forward(x)
+
+    _e4m3_path_on_the_cpu(monkeypatch)
+    torch._dynamo.reset()
+    w1, w2 = _weights()
+    batches = _batches(4)
+    m, ref = _module(w1, w2, True), _module(w1, w2, False)
+    block = Block(m)
+    block.forward = functools.partial(checkpointed, block.forward)
+    fwd = torch.compile(block, backend="aot_eager") if compiled else block
+    for _ in range(2 if compiled else 1):  # compiled: the second step reuses the graphs
+        got = _step(m, batches, fwd)
+        want = _step(ref, batches)
+        assert got[2] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        m.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
 def test_no_pairs_without_the_switch_without_several_micro_batches_or_outside_tensorwise(monkeypatch):
     from model.ffn import srelu24_step
 
@@ -222,19 +255,22 @@ def test_the_config_check_refuses_micro_batches_the_op_cannot_pair():
     from training.config_checks import check_config
     from training.errors import ConfigError
 
-    ok = ["ffn=srelu24", "ffn.paired_grad_unscaling=true", "trainer.micro_batch_size=2"]
+    ok = ["ffn=srelu24", "trainer.float8=tensorwise", "trainer.micro_batch_size=2", "trainer.batch_size=4"]
     check_config(to_object(compose_config(ok + ["trainer.seq_len=96"])))  # 192 tokens
     with pytest.raises(ConfigError) as e:
         check_config(to_object(compose_config(ok + ["trainer.seq_len=100"])))
     assert "ffn.paired_grad_unscaling=true needs the tokens of a micro-batch" in str(e.value) and "\n" not in str(e.value)
+    # where it would not pair (no accumulation, bf16 GEMMs, or switched off) such micro-batches run
+    for other in (["trainer.batch_size=2"], ["trainer.float8=none"], ["ffn.paired_grad_unscaling=false"]):
+        check_config(to_object(compose_config(ok + ["trainer.seq_len=100"] + other)))
 
 
 def test_the_switch_reaches_the_module_from_the_config():
     from model.config import FFNConfig
     from model.ffn import SReLU24
 
-    assert SReLU24.from_config(64, 128, FFNConfig(kind="srelu24")).paired_grad_unscaling is False
-    assert SReLU24.from_config(64, 128, FFNConfig(kind="srelu24", paired_grad_unscaling=True)).paired_grad_unscaling
+    assert SReLU24.from_config(64, 128, FFNConfig(kind="srelu24")).paired_grad_unscaling  # on by default
+    assert not SReLU24.from_config(64, 128, FFNConfig(kind="srelu24", paired_grad_unscaling=False)).paired_grad_unscaling
 
 
 # ---------------------------------------------------------------- on an sm90 GPU: cuSPARSELt's products

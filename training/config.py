@@ -99,6 +99,14 @@ class TrainerConfig:
     resume_overrides: List[str] = field(default_factory=list)
 
 
+def pairs_grad_unscaling(f: FFNConfig, t: TrainerConfig, grad_accumulation: bool) -> bool:
+    """Whether ffn.paired_grad_unscaling applies to a run: srelu24 with the tensorwise recipe's e4m3
+    2:4 GEMMs, gradient accumulation, and one process's eager steps (not DDP, FSDP2 or
+    trainer.cuda_graph). model/ffn.py's begin_step decides the same at run time (on sm90)."""
+    return (f.kind == "srelu24" and f.paired_grad_unscaling and f.sparse_float8 and t.float8 == Float8.tensorwise
+            and grad_accumulation and t.strategy == Strategy.none and not t.cuda_graph)
+
+
 class WandbMode(str, Enum):
     online = "online"
     offline = "offline"

@@ -15,7 +15,7 @@ from data.tokenizer import MIN_VOCAB_SIZE
 from model.config import ModelConfig, attention_shape_problem, ffn_hidden_dim
 from model.ffn import FFN, ffn_class
 
-from .config import Config, TrainerConfig
+from .config import Config, TrainerConfig, pairs_grad_unscaling
 from .cuda_graph import graph_problem
 from .errors import ConfigError
 
@@ -132,7 +132,8 @@ def check_config(cfg: Config, world_size: int = 1, rank: int = 0) -> None:
         raise ConfigError(f"trainer.ffn_stats_every={t.ffn_stats_every} must be 0 or a multiple of trainer.log_every="
                           f"{t.log_every} (statistics are logged with a step's row); set "
                           f"{lo if lo else '0 (every logged step)'} or {lo + t.log_every}")
-    if f.kind == "srelu24" and f.paired_grad_unscaling and (t.micro_batch_size * t.seq_len) % 64:
+    if (pairs_grad_unscaling(f, t, t.batch_size > t.micro_batch_size * world_size)
+            and (t.micro_batch_size * t.seq_len) % 64):
         raise ConfigError(f"ffn.paired_grad_unscaling=true needs the tokens of a micro-batch a multiple of 64 (the e4m3 "
                           f"layout), got trainer.micro_batch_size={t.micro_batch_size} x trainer.seq_len={t.seq_len}; "
                           "set ffn.paired_grad_unscaling=false")

@@ -52,7 +52,7 @@ from model import FFNConfig, ModelConfig, Transformer, ffn_hidden_dim
 from model.ffn import keeps_conversions
 
 from .checkpoint import checkpoint_bytes, saves_ahead, space_needed
-from .config import ActivationCheckpointing, Config, Float8, Strategy, TrainerConfig
+from .config import ActivationCheckpointing, Config, Float8, Strategy, TrainerConfig, pairs_grad_unscaling
 from .config_checks import total_steps
 
 GiB = 2 ** 30
@@ -165,8 +165,7 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     if e4m3_op and keeps_conversions(grad_accumulation, t.float8):
         # W1's rows and columns, W2's rows and columns: 4 per layer of d x F bytes (e4m3)
         e.parts[KEPT_CONVERSIONS] = 4 * d * ffn_hidden_dim(mcfg, fcfg) * L
-    if (e4m3_op and grad_accumulation and fcfg.paired_grad_unscaling and t.float8 == Float8.tensorwise
-            and not ddp and not t.cuda_graph):
+    if sparse_2to4 and pairs_grad_unscaling(fcfg, t, grad_accumulation):
         # one micro-batch's dW1 and dW2 products in bf16, waiting for the next (model/ffn.py, begin_step)
         e.parts[PAIRED_PRODUCTS] = 2 * 2 * d * ffn_hidden_dim(mcfg, fcfg) * L
 
