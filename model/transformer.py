@@ -133,6 +133,16 @@ class Block(nn.Module):
         """token_order [2, B*S] (an order and its inverse): the FFN sees its tokens in that order.
         The FFN acts on each token alone, so this is exact; the norm reads its rows in that
         order and the residual add writes them back in token order (both gathers fuse there)."""
+        if self.feed_forward.collect_stats:
+            # The dense FFNs' statistics run outside graphs (srelu24_kernels/ffn_stats.py) and split a
+            # compiled block there. Branching here makes dynamo guard on the flag before that split, so
+            # the other steps keep the block as one graph; without it, the first statistics step's
+            # split block served every later step.
+            return self._forward(x, cos, sin, kv, start_pos, token_order, mask)
+        return self._forward(x, cos, sin, kv, start_pos, token_order, mask)
+
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Optional[tuple[Tensor, Tensor]], start_pos: int,
+                 token_order: Optional[Tensor], mask: Mask) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, kv, start_pos, mask)
         if token_order is None:
             return x + self.feed_forward(self.ffn_norm(x))

@@ -197,7 +197,7 @@ def test_checkpointed_paired_steps_are_the_unpaired_ones(monkeypatch, compiled):
     m, ref = _module(w1, w2, True), _module(w1, w2, False)
     block = Block(m)
     block.forward = functools.partial(checkpointed, block.forward)
-    fwd = torch.compile(block, backend="aot_eager") if compiled else block
+    fwd = torch.compile(block, backend="aot_eager", fullgraph=True) if compiled else block
     for _ in range(2 if compiled else 1):  # compiled: the second step reuses the graphs
         got = _step(m, batches, fwd)
         want = _step(ref, batches)
@@ -260,8 +260,9 @@ def test_the_config_check_refuses_micro_batches_the_op_cannot_pair():
     with pytest.raises(ConfigError) as e:
         check_config(to_object(compose_config(ok + ["trainer.seq_len=100"])))
     assert "ffn.paired_grad_unscaling=true needs the tokens of a micro-batch" in str(e.value) and "\n" not in str(e.value)
-    # where it would not pair (no accumulation, bf16 GEMMs, or switched off) such micro-batches run
-    for other in (["trainer.batch_size=2"], ["trainer.float8=none"], ["ffn.paired_grad_unscaling=false"]):
+    # where it would not pair (no accumulation, other GEMMs, no kernels, switched off) they run
+    for other in (["trainer.batch_size=2"], ["trainer.float8=none"], ["trainer.float8=rowwise"], ["ffn.kernels=false"],
+                  ["ffn.sparse_float8=false"], ["ffn.paired_grad_unscaling=false"]):
         check_config(to_object(compose_config(ok + ["trainer.seq_len=100"] + other)))
 
 

@@ -10,7 +10,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from data.config import DataConfig
-from model.config import FFNConfig, ModelConfig
+from model.config import FFNConfig, ModelConfig, ffn_hidden_dim
+from srelu24_kernels.float8 import scaled_mm_shapes
 
 
 class Schedule(str, Enum):
@@ -99,11 +100,13 @@ class TrainerConfig:
     resume_overrides: List[str] = field(default_factory=list)
 
 
-def pairs_grad_unscaling(f: FFNConfig, t: TrainerConfig, grad_accumulation: bool) -> bool:
-    """Whether ffn.paired_grad_unscaling applies to a run: srelu24 with the tensorwise recipe's e4m3
-    2:4 GEMMs, gradient accumulation, and one process's eager steps (not DDP, FSDP2 or
-    trainer.cuda_graph). model/ffn.py's begin_step decides the same at run time (on sm90)."""
-    return (f.kind == "srelu24" and f.paired_grad_unscaling and f.sparse_float8 and t.float8 == Float8.tensorwise
+def pairs_grad_unscaling(m: ModelConfig, f: FFNConfig, t: TrainerConfig, grad_accumulation: bool) -> bool:
+    """Whether ffn.paired_grad_unscaling applies to a run: srelu24's kernels with the tensorwise
+    recipe's e4m3 2:4 GEMMs (shapes torch._scaled_mm takes), gradient accumulation, and one process's
+    eager steps (not DDP, FSDP2 or trainer.cuda_graph). model/ffn.py's begin_step decides the same
+    at run time, on an sm90 GPU."""
+    return (f.kind == "srelu24" and f.paired_grad_unscaling and f.kernels and f.sparse_float8
+            and t.float8 == Float8.tensorwise and scaled_mm_shapes(m.dim, ffn_hidden_dim(m, f))
             and grad_accumulation and t.strategy == Strategy.none and not t.cuda_graph)
 
 

@@ -132,10 +132,10 @@ def check_config(cfg: Config, world_size: int = 1, rank: int = 0) -> None:
         raise ConfigError(f"trainer.ffn_stats_every={t.ffn_stats_every} must be 0 or a multiple of trainer.log_every="
                           f"{t.log_every} (statistics are logged with a step's row); set "
                           f"{lo if lo else '0 (every logged step)'} or {lo + t.log_every}")
-    if (pairs_grad_unscaling(f, t, t.batch_size > t.micro_batch_size * world_size)
+    if (pairs_grad_unscaling(m, f, t, t.batch_size > t.micro_batch_size * world_size)
             and (t.micro_batch_size * t.seq_len) % 64):
-        raise ConfigError(f"ffn.paired_grad_unscaling=true needs the tokens of a micro-batch a multiple of 64 (the e4m3 "
-                          f"layout), got trainer.micro_batch_size={t.micro_batch_size} x trainer.seq_len={t.seq_len}; "
+        raise ConfigError(f"ffn.paired_grad_unscaling=true needs the tokens of a micro-batch a multiple of 64 "
+                          f"(sm90's e4m3 layout), got trainer.micro_batch_size={t.micro_batch_size} x trainer.seq_len={t.seq_len}; "
                           "set ffn.paired_grad_unscaling=false")
     if t.nonfinite not in ("skip", "stop"):
         raise ConfigError(f"trainer.nonfinite={t.nonfinite}: valid values are skip, stop")

@@ -165,7 +165,7 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     if e4m3_op and keeps_conversions(grad_accumulation, t.float8):
         # W1's rows and columns, W2's rows and columns: 4 per layer of d x F bytes (e4m3)
         e.parts[KEPT_CONVERSIONS] = 4 * d * ffn_hidden_dim(mcfg, fcfg) * L
-    if sparse_2to4 and pairs_grad_unscaling(fcfg, t, grad_accumulation):
+    if sparse_2to4 and pairs_grad_unscaling(mcfg, fcfg, t, grad_accumulation):
         # one micro-batch's dW1 and dW2 products in bf16, waiting for the next (model/ffn.py, begin_step)
         e.parts[PAIRED_PRODUCTS] = 2 * 2 * d * ffn_hidden_dim(mcfg, fcfg) * L
 
