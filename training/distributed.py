@@ -161,7 +161,9 @@ def exit_process(code) -> None:
 # FFN statistics, evaluation (no grad), and in the 2:4 phase under srelu24's step state a step's first
 # micro-batch (no .grad to add into yet) and the later ones, each twice with ffn.paired_grad_unscaling
 # (a pair's first and second). One CPU run of every case without pairing reached 8, torch's default
-# limit, past which dynamo runs the block eagerly for the rest of the run.
+# limit, past which dynamo runs the block eagerly for the rest of the run. The limit counts per code
+# object: a checkpointed block's variants are the `checkpointed` wrapper's (5 in a CPU run of every
+# phase, with statistics and evaluation), its other blocks' Block.forward's.
 BLOCK_RECOMPILE_LIMIT = 16
 
 
