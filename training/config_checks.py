@@ -135,8 +135,8 @@ def check_config(cfg: Config, world_size: int = 1, rank: int = 0) -> None:
     if (pairs_grad_unscaling(m, f, t, t.batch_size > t.micro_batch_size * world_size)
             and (t.micro_batch_size * t.seq_len) % 64):
         raise ConfigError(f"ffn.paired_grad_unscaling=true needs the tokens of a micro-batch a multiple of 64 "
-                          f"(sm90's e4m3 layout), got trainer.micro_batch_size={t.micro_batch_size} x trainer.seq_len={t.seq_len}; "
-                          "set ffn.paired_grad_unscaling=false")
+                          f"(sm90's e4m3 layout), got trainer.micro_batch_size={t.micro_batch_size} x "
+                          f"trainer.seq_len={t.seq_len}; set ffn.paired_grad_unscaling=false")
     if t.nonfinite not in ("skip", "stop"):
         raise ConfigError(f"trainer.nonfinite={t.nonfinite}: valid values are skip, stop")
     if t.precision not in ("auto", "bf16", "fp32"):
