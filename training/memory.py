@@ -174,14 +174,14 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         # eager micro-batch (the capture's warmup, a step with FFN statistics) takes its own beside it; .grad
         # is allocated for the whole run
         e.parts[GRAPH_POOL] = e.parts["activations"] + int(max(head, block)) + e.parts.get(WEIGHT_COPIES, 0)
+    # what lives from the forward into the backward only (not through the optimizer step)
+    backward_only = (KEPT_CONVERSIONS, PAIRED_PRODUCTS, WEIGHT_COPIES, GRAPH_POOL)
     resident = sum(v for k, v in e.parts.items()
-                   if k not in ("gradients (fp32)", "activations", KEPT_CONVERSIONS, PAIRED_PRODUCTS, WEIGHT_COPIES,
-                                GRAPH_POOL)
+                   if k not in ("gradients (fp32)", "activations", *backward_only)
                    and not k.startswith("largest transient"))
     backward = resident + e.parts["activations"] + max(head, block) + (e.parts["gradients (fp32)"]
                                                                         if kept_grads else 0)
-    backward += (e.parts.get(KEPT_CONVERSIONS, 0) + e.parts.get(PAIRED_PRODUCTS, 0) + e.parts.get(WEIGHT_COPIES, 0)
-                 + e.parts.get(GRAPH_POOL, 0))
+    backward += sum(e.parts.get(k, 0) for k in backward_only)
     step = resident + e.parts["gradients (fp32)"]
     e.peak, e.peak_phase = (int(backward), "backward") if backward >= step else (int(step), "optimizer step")
     return e
