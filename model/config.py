@@ -49,7 +49,7 @@ class FFNConfig:
     # cuSPARSELt's algorithm id for every 2:4 GEMM; null: timed per shape at its first use (so two
     # runs may choose differently; the choice is logged)
     sparse_gemm_alg: Optional[int] = None
-    # under gradient accumulation in eager steps (tensorwise, e4m3 2:4 GEMMs, sm90): dW1 and dW2 unscaled two
+    # under gradient accumulation in one process (tensorwise, e4m3 2:4 GEMMs, sm90): dW1 and dW2 unscaled two
     # micro-batches a pass, the same bits, keeping one micro-batch's products (2 bytes an element of W1 and W2)
     paired_grad_unscaling: bool = True
 

@@ -50,6 +50,7 @@ class _FakeCapture:
     replay writes the graph's fixed outputs."""
     runner = None
     replays = 0
+    captures = 0
 
     def replay(self):
         _FakeCapture.replays += 1
@@ -61,6 +62,7 @@ class _FakeCapture:
     def graph(graph, **kw):
         r = _FakeCapture.runner
         grads, rng = [p.grad.clone() for p in r.params], torch.get_rng_state()
+        _FakeCapture.captures += 1
         yield
         assert torch.equal(rng, torch.get_rng_state()), "the capture drew random numbers"
         for p, g in zip(r.params, grads):
@@ -72,7 +74,7 @@ class _FakeCapture:
             def wait_stream(self, other):
                 pass
 
-        cls.replays = 0
+        cls.replays = cls.captures = 0
         for name, value in {"Stream": Stream, "current_stream": lambda *a: Stream(), "CUDAGraph": cls,
                             "stream": lambda s: nullcontext(), "graph": cls.graph, "empty_cache": lambda: None}.items():
             monkeypatch.setattr(torch.cuda, name, value)
@@ -136,10 +138,11 @@ def test_a_replaced_gradient_buffer_is_captured_anew(monkeypatch):
     parts.graphs.capture, _FakeCapture.runner = True, parts.graphs
     data, state = iter(batches(6, MICRO)), TrainState()
     train_step(parts, state, data.__next__)
-    first = parts.graphs.graph
+    first = parts.graphs.graphs[True][0]
     parts.optimizer.zero_grad(set_to_none=True)
     train_step(parts, state, data.__next__)
-    assert parts.graphs.graph is not first and all(p.grad is g for p, g in zip(parts.params, parts.graphs.grads))
+    assert parts.graphs.graphs[True][0] is not first
+    assert all(p.grad is g for p, g in zip(parts.params, parts.graphs.grads))
     train_step(parts, state, data.__next__)
     assert _FakeCapture.replays == 6
 
@@ -284,6 +287,9 @@ def test_the_captured_step_trains_as_the_eager_step_on_the_gpu(kind):
             losses.append(train_step(parts, state, data.__next__, log=i in (3, 5), stats=i == 5).loss)
         if graphs:  # steps 0-4 replayed (5 collects the statistics: eager), 2 micro-batches each
             assert parts.graphs.replays == 10
+            # srelu24 in tensorwise e4m3 on sm90 pairs its weight gradients: a graph per half of a pair
+            pairs = kind == "srelu24" and f8 == Float8.tensorwise and torch.cuda.get_device_capability(dev) == (9, 0)
+            assert len(parts.graphs.graphs) == (2 if pairs else 1)
             parts.graphs.close()
         return losses, {n: p.detach().float().clone() for n, p in m.named_parameters()}
 
@@ -360,6 +366,34 @@ def test_srelu24_adds_into_the_graphs_grad_with_one_micro_batch_too(monkeypatch)
     assert [x for x in losses if x is not None] == eager[0]
     for n, p in m.named_parameters():
         assert torch.equal(p.detach(), eager[1][n]), n
+
+
+def _srelu24_tensorwise(paired: bool):
+    """A srelu24 model whose op takes its tensorwise e4m3 path on the CPU (with test_paired_grads'
+    _e4m3_path_on_the_cpu), pairing its weight gradients or not; 64 tokens a micro-batch."""
+    from model import FFNConfig, ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, max_seq_len=S)
+    return Transformer(cfg, FFNConfig(kind="srelu24", hidden_dim=64, paired_grad_unscaling=paired), 64,
+                       float8="tensorwise")
+
+
+def test_paired_weight_gradients_are_two_graphs_that_train_as_the_eager_step(monkeypatch):
+    """ffn.paired_grad_unscaling under the graph: the 2:4 phase captures a graph for each half of a
+    pair and replays them in turn; with three micro-batches the third, a pair's first, adds its kept
+    products when the step ends. The run is the unpaired eager one's, bit for bit (paired and
+    unpaired eager steps agree: tests/test_paired_grads.py). Steps 1-2 dense, 3 captures, 4 logged."""
+    from test_paired_grads import _e4m3_path_on_the_cpu
+
+    _e4m3_path_on_the_cpu(monkeypatch)
+    _FakeCapture.install(monkeypatch)
+    accum = 3
+    unpaired = run(_srelu24_tensorwise(False), graphs=False, steps=4, accum=accum, log_every=4)
+    graphed = run(_srelu24_tensorwise(True), graphs=True, steps=4, accum=accum, log_every=4, capture=True)
+    assert_same(graphed, unpaired)
+    assert _FakeCapture.replays == 3 * accum
+    assert _FakeCapture.captures == 1 + 2  # the dense warmup's graph, then one per half of a pair
 
 
 @pytest.mark.gpu

@@ -264,6 +264,8 @@ def test_the_config_check_refuses_micro_batches_the_op_cannot_pair():
     for other in (["trainer.batch_size=2"], ["trainer.float8=none"], ["trainer.float8=rowwise"], ["ffn.kernels=false"],
                   ["ffn.sparse_float8=false"], ["ffn.paired_grad_unscaling=false"]):
         check_config(to_object(compose_config(ok + ["trainer.seq_len=100"] + other)))
+    with pytest.raises(ConfigError):  # a graphed step pairs too
+        check_config(to_object(compose_config(ok + ["trainer.seq_len=100", "trainer.cuda_graph=true"])))
 
 
 def test_the_switch_reaches_the_module_from_the_config():
@@ -325,6 +327,8 @@ def test_the_memory_estimate_counts_the_kept_products():
     assert e.parts[PAIRED_PRODUCTS] == 2 * 2 * m.dim * ffn_hidden_dim(m, f) * m.n_layers  # dW1, dW2 in bf16
     assert e.peak == estimate(m, replace(f, paired_grad_unscaling=False), 32000, accum).peak + e.parts[PAIRED_PRODUCTS]
     for other in (replace(accum, batch_size=2), replace(accum, float8=Float8.rowwise),
-                  replace(accum, strategy=Strategy.fsdp), replace(accum, cuda_graph=True)):
+                  replace(accum, strategy=Strategy.fsdp)):
         assert PAIRED_PRODUCTS not in estimate(m, f, 32000, other).parts
+    # a graphed step pairs too (training/cuda_graph.py: one graph per half of a pair)
+    assert estimate(m, f, 32000, replace(accum, cuda_graph=True)).parts[PAIRED_PRODUCTS] == e.parts[PAIRED_PRODUCTS]
     assert PAIRED_PRODUCTS not in estimate(m, replace(f, paired_grad_unscaling=False), 32000, accum).parts

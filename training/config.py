@@ -102,12 +102,12 @@ class TrainerConfig:
 
 def pairs_grad_unscaling(m: ModelConfig, f: FFNConfig, t: TrainerConfig, grad_accumulation: bool) -> bool:
     """Whether ffn.paired_grad_unscaling applies to a run: srelu24's kernels with the tensorwise
-    recipe's e4m3 2:4 GEMMs (shapes torch._scaled_mm takes), gradient accumulation, and one process's
-    eager steps (not DDP, FSDP2 or trainer.cuda_graph). model/ffn.py's begin_step decides the same
-    at run time, on an sm90 GPU."""
+    recipe's e4m3 2:4 GEMMs (shapes torch._scaled_mm takes), gradient accumulation, and one process
+    (not DDP or FSDP2; trainer.cuda_graph captures one graph per half of a pair). model/ffn.py's
+    begin_step decides the same at run time, on an sm90 GPU."""
     return (f.kind == "srelu24" and f.paired_grad_unscaling and f.kernels and f.sparse_float8
             and t.float8 == Float8.tensorwise and scaled_mm_shapes(m.dim, ffn_hidden_dim(m, f))
-            and grad_accumulation and t.strategy == Strategy.none and not t.cuda_graph)
+            and grad_accumulation and t.strategy == Strategy.none)
 
 
 class WandbMode(str, Enum):

@@ -17,17 +17,22 @@ lives in a fixed buffer:
 - srelu24's step state (model/ffn.py, begin_step): opened once per 2:4 phase and kept; at each
   step its weights' e4m3 conversions are made afresh, written into the buffers the graph reads
   (under tensorwise; copied there under rowwise).
+- srelu24's paired weight gradients (ffn.paired_grad_unscaling, several micro-batches): a pair's
+  first micro-batch keeps its products in the step state's buffers and its second adds both into
+  .grad, so they are two graphs, captured together and replayed in turn (first, second, first,
+  ...), sharing one pool: their replays never overlap. A step that ends on a pair's first adds its
+  kept products after the last replay (end_step).
 
-One graph per 2:4 phase (srelu24's dense warmup has its own, dropped at the switch). Steps that
-collect the FFN statistics (every logged step, or every trainer.ffn_stats_every steps) run the
-same micro-batch eagerly: the statistics are other kernels, some of which copy from the host;
-other logged steps replay and read the graph's loss. The graph is captured on a step's first
-micro-batch, after two eager runs of it on a side stream (compilation, cuSPARSELt's plans and id search, cuBLAS workspaces) whose
-gradients are zeroed. Hand-made rather than torch.compile's mode="reduce-overhead": its cudagraph
-trees hand a graph's output buffers to the next replay, which broke gradient accumulation
-(lab/LOG.md).
+One graph per 2:4 phase, or one per half of a pair (srelu24's dense warmup has its own, dropped at
+the switch). Steps that collect the FFN statistics (every logged step, or every
+trainer.ffn_stats_every steps) run the same micro-batch eagerly: the statistics are other kernels,
+some of which copy from the host; other logged steps replay and read the graph's loss. The graphs
+are captured on a step's first micro-batch, each after two eager runs of it on a side stream
+(compilation, cuSPARSELt's plans and id search, cuBLAS workspaces) whose gradients are zeroed.
+Hand-made rather than torch.compile's mode="reduce-overhead": its cudagraph trees hand a graph's
+output buffers to the next replay, which broke gradient accumulation (lab/LOG.md).
 
-Memory: the graph's pool keeps one micro-batch's activations for the graph's life, and the
+Memory: the graph's pool (one for a pair's two) keeps one micro-batch's activations for its life, and the
 eager runs (warmup, steps with statistics) allocate theirs beside it: up to one micro-batch's
 activations more than an eager run. Where it runs: one process, no activation checkpointing, causal attention,
 a CUDA device (`graph_problem`). On a CPU the "graph" runs the micro-batch eagerly through the
@@ -40,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from model.ffn import SReLU24, conversions_kept
+from srelu24_kernels.srelu24.options import MicroBatches
 from srelu24_kernels.srelu24.reference import random_token_orders
 
 log = logging.getLogger(__name__)
@@ -115,8 +121,11 @@ class MicroBatchGraphs:
         self.ffns = [m for m in model.modules() if isinstance(m, SReLU24)]
         self.phase: Optional[bool] = None   # the 2:4 phase the graph and the step states are for
         self.states: list = []              # srelu24's kept step states, one per FFN (None where it has none)
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.loss: Optional[Tensor] = None  # the graph's output
+        # srelu24's paired weight gradients: where a step is in its pairs (None: no FFN pairs)
+        self.micro_batches: Optional[MicroBatches] = None
+        # the captured graphs and their outputs (the loss), by the half of a pair they run (`_half`)
+        self.graphs: dict[bool, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.loss: Optional[Tensor] = None  # the output of the graph replayed last
         self.grads: list = []               # the .grad tensors the graph adds into
         self.eager = True                   # this step runs eagerly (one with FFN statistics)
         self.index = 0                      # the step's micro-batches so far
@@ -132,7 +141,7 @@ class MicroBatchGraphs:
     def begin_step(self, sparse_on: bool, stats: bool) -> None:
         """Before a step's first micro-batch (after model.set_2to4 and collect_ffn_stats)."""
         if sparse_on != self.phase:  # the first step, or srelu24's switch to 2:4: a new graph
-            self.graph, self.loss, self.phase = None, None, sparse_on
+            self.graphs, self.loss, self.phase = {}, None, sparse_on
             self.states = []
             self.feed.set_phase()
             self.model.token_orders = self.feed
@@ -141,16 +150,18 @@ class MicroBatchGraphs:
         for p in self.params:
             if p.grad is None:  # once: the buffers every replay adds into, zeroed in place after each step
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        if self.graph is not None and any(p.grad is not g for p, g in zip(self.params, self.grads)):
-            self.graph, self.loss = None, None  # .grad was replaced (set to None, reassigned): capture anew
+        if self.graphs and any(p.grad is not g for p, g in zip(self.params, self.grads)):
+            self.graphs, self.loss = {}, None  # .grad was replaced (set to None, reassigned): capture anew
         if self.states and not self._states_hold_grads():
-            self.states, self.graph, self.loss = [], None, None  # srelu24's op would add into the old .grad
+            self.states, self.graphs, self.loss = [], {}, None  # srelu24's op would add into the old .grad
         if not self.states:
             self.states = self._open_states()
         else:
             self._refresh_conversions()
         for m, st in zip(self.ffns, self.states):
             m.step_state = st
+        if self.micro_batches is not None:
+            self.micro_batches.keep, self.micro_batches.done = True, 0
         self.eager, self.index = stats or not self.capture, 0
 
     def micro(self, x: Tensor, y: Tensor) -> Tensor:
@@ -163,25 +174,38 @@ class MicroBatchGraphs:
         self.feed.draw()
         first, self.index = self.index == 0, self.index + 1
         if self.eager:
-            return self._run()
-        if self.graph is None:
-            if not first:  # the warmup's gradients would land in this step's
-                raise RuntimeError("trainer.cuda_graph: a capture must come on a step's first micro-batch")
-            self._capture()
-        self.graph.replay()
-        self.replays += 1
-        return self.loss
+            loss = self._run()
+        else:
+            if not self.graphs:
+                if not first:  # the warmup's gradients would land in this step's
+                    raise RuntimeError("trainer.cuda_graph: a capture must come on a step's first micro-batch")
+                self._capture()
+            graph, self.loss = self.graphs[self._half()]
+            graph.replay()
+            self.replays += 1
+            loss = self.loss
+        if self.micro_batches is not None:
+            self.micro_batches.advance()
+        return loss
 
     def end_step(self) -> None:
-        """After the step's last micro-batch, before the optimizer writes the weights: the kept step
-        states leave the FFNs (an evaluation reads the new weights, not the conversions)."""
+        """After the step's last micro-batch, before the optimizer writes the weights: a pair's first
+        left without its second adds its kept products into .grad; the kept step states leave the
+        FFNs (an evaluation reads the new weights, not the conversions)."""
+        if self.micro_batches is not None and self.micro_batches.done % 2:
+            from srelu24_kernels.srelu24.op import add_kept
+
+            for st in self.states:
+                if st is not None and st.pairs is not None:
+                    add_kept(st.pairs, st.grads, st.pairs.g2.shape[0] > 0)
+            self.micro_batches.done = 0  # added: a second end_step (close) adds nothing
         for m in self.ffns:
             m.step_state = None
 
     def close(self) -> None:
-        """The graph and its buffers released; the model draws its own token orders again."""
+        """The graphs and their buffers released; the model draws its own token orders again."""
         self.end_step()
-        self.graph, self.loss, self.states, self.phase = None, None, [], None
+        self.graphs, self.loss, self.states, self.phase = {}, None, [], None
         if self.model.__dict__.get("token_orders") is self.feed:
             del self.model.token_orders
         if self.capture:
@@ -194,22 +218,44 @@ class MicroBatchGraphs:
         (loss / self.accum).backward()
         return loss.detach()
 
+    def _half(self) -> bool:
+        """Which graph runs this micro-batch: a pair's first (True) or its second; True without pairs."""
+        return self.micro_batches is None or self.micro_batches.keep
+
     def _capture(self) -> None:
+        """The graph of each half of a pair (one without pairs), each after WARMUP_RUNS eager runs of
+        it; the warmups' gradients (and kept products) zeroed or overwritten before the first replay."""
+        halves = (True, False) if self.micro_batches is not None else (True,)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                self._run()
+                for half in halves:  # a pair's second reads what its first kept
+                    self._as_half(half)
+                    self._run()
         torch.cuda.current_stream().wait_stream(side)
         torch._foreach_zero_([p.grad for p in self.params])
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads' CUDA calls (a background checkpoint's writer, which can be
-        # writing the step before srelu24's switch) neither fail nor invalidate the capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            loss = self._run()
-        self.graph, self.loss, self.grads = graph, loss, [p.grad for p in self.params]
-        log.info(f"trainer.cuda_graph: a micro-batch's forward and backward captured "
-                 f"({'2:4 phase' if self.phase and self.ffns else 'dense'}; steps with FFN statistics run eagerly)")
+        pool = None
+        for half in halves:
+            self._as_half(half)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads' CUDA calls (a background checkpoint's writer, which can be
+            # writing the step before srelu24's switch) neither fail nor invalidate the capture.
+            # pool: the second half's graph reuses the first's memory (they run one after the other)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                loss = self._run()
+            pool = graph.pool() if hasattr(graph, "pool") else None
+            self.graphs[half] = (graph, loss)
+        self._as_half(True)
+        self.grads = [p.grad for p in self.params]
+        what = "2:4 phase" if self.phase and self.ffns else "dense"
+        log.info(f"trainer.cuda_graph: a micro-batch's forward and backward captured ({what}"
+                 f"{', one graph per half of a pair of micro-batches' if len(halves) > 1 else ''}; "
+                 f"steps with FFN statistics run eagerly)")
+
+    def _as_half(self, half: bool) -> None:
+        if self.micro_batches is not None:
+            self.micro_batches.keep = half
 
     def _open_states(self) -> list:
         """srelu24's step states, opened as training/step.py opens them eagerly (kept conversions where
@@ -218,10 +264,14 @@ class MicroBatchGraphs:
         that saves writing dW in fp32 and autograd reading it back to add it (eagerly, with one
         micro-batch, autograd makes .grad of dW as it is)."""
         several = self.accum > 1
+        self.micro_batches = MicroBatches() if several else None  # pairs across several micro-batches only
         states = []
         for m in self.ffns:
-            m.begin_step(keep_conversions=conversions_kept(m, several), grads_in_place=True)
+            m.begin_step(keep_conversions=conversions_kept(m, several), grads_in_place=True,
+                         micro_batches=self.micro_batches)
             states.append(m.step_state)
+        if not any(st is not None and st.pairs is not None for st in states):
+            self.micro_batches = None  # no FFN pairs (the switch off, dense, not tensorwise e4m3)
         return states
 
     def _states_hold_grads(self) -> bool:

@@ -30,8 +30,8 @@ batch_size > micro_batch_size x world size) the gradients of the earlier micro-b
 throughout, and so, for srelu24 with trainer.float8 and its 2:4 GEMMs in e4m3 on fp32 weights (no
 FSDP), are its kept e4m3 weight conversions (srelu24_kernels/srelu24/op.py, convert_weights): four
 of d x F bytes per layer, until the optimizer step; under tensorwise they are kept with one
-micro-batch too (model/ffn.py, conversions_kept). With ffn.paired_grad_unscaling (tensorwise, eager,
-one process) one micro-batch's bf16 weight-gradient products wait for the next: two of 2 x d x F
+micro-batch too (model/ffn.py, conversions_kept). With ffn.paired_grad_unscaling (tensorwise,
+accumulation, one process) one micro-batch's bf16 weight-gradient products wait for the next: two of 2 x d x F
 bytes per layer.
 
 The two per-token constants of the transients (16 bytes per d, 8 per parameter) and the 20 bytes
