@@ -20,8 +20,8 @@ Grouped by job:
 
 Who calls whom, for srelu24 in its 2:4 phase (model/ffn.py -> srelu24/op.py):
 
-    op.ffn_forward   float8/gemm (Z, in float8) or torch (bf16) -> srelu24/sparsify -> cusparselt/binding
-                     (Y; through float8/sparse in e4m3)
+    op.ffn_forward   float8/gemm (Z, in float8) or torch (bf16) -> srelu24/sparsify (A24)
+    op.ffn_output    cusparselt/binding (Y; through float8/sparse in e4m3)
     op.ffn_backward  float8/gemm or torch (dA) -> srelu24/sparsify_backward -> cusparselt/binding
                      (dX, dW1, dW2; through float8/sparse in e4m3)
 """

@@ -213,12 +213,24 @@ def forward_args(x, w1, w2, collect_stats: bool, options, defer_unscaling: bool 
             *options.flags(), defer_unscaling, 0)
 
 
-def backward_args(dy, x, w1, w2, saved, counts, options, defer_unscaling: bool = False) -> tuple:
-    """srelu24::ffn_backward's arguments for a forward's outputs, without a step's state."""
+def output_args(out, w2, options, defer_unscaling: bool = False) -> tuple:
+    """srelu24::ffn_output's arguments for srelu24::ffn_forward's outputs `out` (its A24 and h, as
+    leaves that want gradients where those did: opcheck differentiates the op more than once, which
+    through ffn_forward's backward would fail), without a step's state."""
+    a24, h = (t.detach().requires_grad_(t.requires_grad) for t in out[:2])
+    return (a24, h, w2, [], options.float8, options.sparse_float8, defer_unscaling)
+
+
+def backward_args(dy, x, w1, w2, out, options, defer_unscaling: bool = False) -> tuple:
+    """srelu24::ffn_backward's arguments for srelu24::ffn_forward's outputs `out` (what it keeps: A24
+    or Z, and the counts; detached, the backward op having no gradient of its own), without a
+    step's state."""
     from srelu24_kernels.srelu24.op import keeps_a24
 
-    return (dy, x, w1, w2, saved, counts, keeps_a24(x, w1, options.recipe.reuse_forward_mask), [], None, None, [],
-            None, None, None, *options.flags(), defer_unscaling, 0)
+    keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)
+    saved, counts = (out[0] if keep else out[2]).detach(), out[3]
+    return (dy, x, w1, w2, saved, counts, keep, [], None, None, [], None, None, None, *options.flags(),
+            defer_unscaling, 0)
 
 
 def cpu_op_inputs(tokens: int, seed: int) -> tuple:

@@ -132,9 +132,9 @@ def test_compiled_the_op_defers_y_and_dx_and_gives_eagers_bits(monkeypatch, toke
 
 
 def test_the_ops_schema_and_fakes_with_deferred_products(monkeypatch):
-    """opcheck of the forward and the backward asked to defer (their fakes' two scale outputs), on
+    """opcheck of the three ops asked to defer (Y's and dX's ops' fakes' two scale outputs), on
     the CPU path."""
-    from helpers import backward_args, cpu_op_inputs, cpu_scaled_mm_runs, forward_args
+    from helpers import backward_args, cpu_op_inputs, cpu_scaled_mm_runs, forward_args, output_args
     from test_kernels import _cslt_stand_in
     import srelu24_kernels.srelu24.op as K
     if torch.cuda.is_available() or not cpu_scaled_mm_runs("tensorwise"):
@@ -146,10 +146,12 @@ def test_the_ops_schema_and_fakes_with_deferred_products(monkeypatch):
     o = OpOptions(SReLU24Recipe(token_permutation=False), "tensorwise", True)
     args = forward_args(x, w1, w2, False, o, defer_unscaling=True)
     out = K.ffn_forward(*args)
-    assert out[7].shape == (128,) and out[8].shape == (64,)
     torch.library.opcheck(K.ffn_forward, args)
-    y, saved, counts = (t.detach() for t in out[:3])  # the backward op has no gradient of its own
-    back = backward_args(dy, x.detach(), w1.detach(), w2.detach(), saved, counts, o, defer_unscaling=True)
+    y_args = output_args(out, w2, o, defer_unscaling=True)
+    _, rows, cols = K.ffn_output(*y_args)
+    assert rows.shape == (128,) and cols.shape == (64,)
+    torch.library.opcheck(K.ffn_output, y_args)
+    back = backward_args(dy, x.detach(), w1.detach(), w2.detach(), out, o, defer_unscaling=True)
     dx, _, _, rows, cols = K.ffn_backward(*back)
     assert dx.shape == (128, 64) and rows.shape == (128,) and cols.shape == (64,)
     torch.library.opcheck(K.ffn_backward, back)

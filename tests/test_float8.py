@@ -13,8 +13,8 @@ import torch.nn as nn
 import triton
 
 import srelu24_kernels.float8.gemm as fp8
-from helpers import (BASE_ENV, EXPERIMENTS, ROOT, background, compose_config, forward_args, kernel_ffn, run_train,
-                     tiny_overrides, to_object, with_cache)
+from helpers import (BASE_ENV, EXPERIMENTS, ROOT, background, compose_config, forward_args, kernel_ffn, output_args,
+                     run_train, tiny_overrides, to_object, with_cache)
 from model import FFNConfig, ModelConfig, Transformer
 from training import float8
 from training.config import Float8, OptimConfig, Strategy, TrainerConfig
@@ -405,8 +405,9 @@ def test_srelu24_op_with_float8_passes_opcheck_and_compiles_in_one_graph(monkeyp
     x = torch.randn(100, 64, generator=g).bfloat16().requires_grad_()
     w1 = (torch.randn(128, 64, generator=g) / 8).bfloat16().requires_grad_()
     w2 = (torch.randn(64, 128, generator=g) / 11).bfloat16().requires_grad_()
-    torch.library.opcheck(K.ffn_forward, forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(False, 0.05, True),
-                                                                                     "rowwise")))
+    o = K.OpOptions(SReLU24Recipe(False, 0.05, True), "rowwise")
+    torch.library.opcheck(K.ffn_forward, forward_args(x, w1, w2, False, o))
+    torch.library.opcheck(K.ffn_output, output_args(K.ffn_forward(*forward_args(x, w1, w2, False, o)), w2, o))
 
     def ffn(xx, a, b):
         return kernel_ffn(xx, a, b, SReLU24Recipe(False, 0.05, True), None, "tensorwise")

@@ -392,7 +392,8 @@ def test_srelu24_ffn_in_e4m3_is_its_reference_and_near_bf16(monkeypatch):
 
 
 def _recorded_weight_dtypes(monkeypatch, w_dtype, float8: str, sparse_float8: bool) -> tuple:
-    """The dtypes srelu24_kernels.srelu24.op.ffn hands the forward op (recorded, not run)."""
+    """The dtypes srelu24_kernels.srelu24.op.ffn hands the forward op (recorded, not run; Y's op gets
+    the same W2)."""
     import srelu24_kernels.srelu24.op as K
     from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
@@ -400,10 +401,15 @@ def _recorded_weight_dtypes(monkeypatch, w_dtype, float8: str, sparse_float8: bo
 
     def recording(x, w1, w2, *args):
         seen.append((x.dtype, w1.dtype, w2.dtype))
-        return (x.new_zeros(x.shape[0], w2.shape[0]), x, x, x.new_empty(0, dtype=torch.float64),
-                x.new_empty(0, dtype=torch.uint8), x.new_empty(0), x.new_empty(0), x.new_empty(0), x.new_empty(0))
+        return (x, x.new_empty(x.shape[0], w2.shape[0]), x, x, x.new_empty(0, dtype=torch.float64),
+                x.new_empty(0, dtype=torch.uint8), x.new_empty(0), x.new_empty(0))
+
+    def output(a24, h, w2, *args):
+        assert w2.dtype == seen[-1][2]
+        return h.new_zeros(h.shape), h.new_empty(0), h.new_empty(0)
 
     monkeypatch.setattr(K, "ffn_forward", recording)
+    monkeypatch.setattr(K, "ffn_output", output)
     x = torch.randn(2, 8, 16)
     K.ffn(x, torch.randn(32, 16, dtype=w_dtype), torch.randn(16, 32, dtype=w_dtype),
           K.OpOptions(SReLU24Recipe(), float8, sparse_float8))
@@ -428,16 +434,17 @@ def test_the_kernel_ffn_hands_fp32_weights_to_the_op_in_e4m3_mode(monkeypatch, f
 
 def test_the_ops_fakes_take_fp32_weights_and_give_fp32_weight_gradients():
     import srelu24_kernels.srelu24.op as K
-    from helpers import backward_args, forward_args
+    from helpers import backward_args, forward_args, output_args
     from srelu24_kernels.srelu24.reference import SReLU24Recipe
 
     T, d, F_ = 100, 64, 128
     x = torch.empty(T, d, dtype=torch.bfloat16, device="meta")
     w1, w2 = torch.empty(F_, d, device="meta"), torch.empty(d, F_, device="meta")
     o = K.OpOptions(SReLU24Recipe(False, 0.05, True), "rowwise")
-    y, saved, counts, *_ = K.ffn_forward(*forward_args(x, w1, w2, False, o))
-    assert y.dtype == saved.dtype == torch.bfloat16 and y.shape == (T, d)
-    dx, dw1, dw2, *_ = K.ffn_backward(*backward_args(torch.empty_like(y), x, w1, w2, saved, counts, o))
+    out = K.ffn_forward(*forward_args(x, w1, w2, False, o))
+    y, *_ = K.ffn_output(*output_args(out, w2, o))
+    assert y.dtype == out[0].dtype == out[2].dtype == torch.bfloat16 and y.shape == (T, d)
+    dx, dw1, dw2, *_ = K.ffn_backward(*backward_args(torch.empty_like(y), x, w1, w2, out, o))
     assert dx.dtype == torch.bfloat16 and dw1.dtype == dw2.dtype == torch.float32
     assert dw1.shape == w1.shape and dw2.shape == w2.shape
     with pytest.raises(ValueError, match="bf16 or fp32 weights"):

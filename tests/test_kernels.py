@@ -11,7 +11,7 @@ from srelu24_kernels.srelu24.reference import mask_2to4
 from srelu24_kernels.ffn_stats import ELEMENTS, N_SUMS
 from srelu24_kernels.srelu24.options import OpOptions
 from srelu24_kernels.srelu24.reference import SReLU24Recipe
-from helpers import backward_args, forward_args, kernel_ffn
+from helpers import backward_args, forward_args, kernel_ffn, output_args
 
 
 def padded_rows(m: int) -> int:  # a compressed operand's rows
@@ -161,7 +161,7 @@ def _cslt_stand_in(monkeypatch):
 
 
 def test_kernel_ops_pass_torch_library_opcheck(monkeypatch):
-    """Schema, fake (meta) versions, autograd registration and AOT dispatch of the two ops."""
+    """Schema, fake (meta) versions, autograd registration and AOT dispatch of the three ops."""
     import srelu24_kernels.srelu24.op as K
 
     _cslt_stand_in(monkeypatch)
@@ -172,9 +172,10 @@ def test_kernel_ops_pass_torch_library_opcheck(monkeypatch):
     o = K.OpOptions(SReLU24Recipe(False, 0.05, True))  # no token permutation here: opcheck replays the backward
     for stats in (False, True):
         torch.library.opcheck(K.ffn_forward, forward_args(x, w1, w2, stats, o))
-    y, z, counts, *_ = K.ffn_forward(*forward_args(x.detach(), w1.detach(), w2.detach(), False, o))
-    torch.library.opcheck(K.ffn_backward, backward_args(torch.randn_like(y), x.detach(), w1.detach(), w2.detach(), z,
-                                                        counts, o))
+    out = K.ffn_forward(*forward_args(x, w1, w2, False, o))  # A24 and h wanting gradients, as ffn_output gets them
+    torch.library.opcheck(K.ffn_output, output_args(out, w2, o))
+    dy = torch.randn(out[1].shape, generator=g).bfloat16()
+    torch.library.opcheck(K.ffn_backward, backward_args(dy, x.detach(), w1.detach(), w2.detach(), out, o))
 
 
 def test_kernel_ffn_compiles_without_a_graph_break(monkeypatch):
@@ -400,28 +401,31 @@ def test_kernel_ffn_keeps_compressed_a24_for_its_backward():
     x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16) / 16
     w2 = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16) / 32
-    _, saved, *_ = K.ffn_forward(*forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(True, 0.05, True))))
+    saved, _, z, *_ = K.ffn_forward(*forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(True, 0.05, True))))
     want = srelu_sparsify_2to4(x @ w1.t())[0]
     assert saved.shape == (padded_rows(1000), 1024 * 9 // 16) and torch.equal(saved.view(torch.int16),
                                                                              want.view(torch.int16))
-    _, saved, *_ = K.ffn_forward(*forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(True, 0.05, False))))  # the ablation's backward reads Z
-    assert saved.shape == (1000, 1024)
+    assert z.numel() == 0
+    _, _, z, *_ = K.ffn_forward(*forward_args(x, w1, w2, False, K.OpOptions(SReLU24Recipe(True, 0.05, False))))  # the ablation's backward reads Z
+    assert z.shape == (1000, 1024)
 
 
 def test_the_forward_op_keeps_what_its_caller_asks_and_refuses_a24_it_cannot_make():
     """keep_a24 is the op's argument, so it is a constant of a compiled graph (and of Inductor's
-    cache key): the fake's saved operand follows it, and the real op refuses A24 where the CUDA
-    kernels cannot make it, in one line, instead of handing back Z in its place."""
+    cache key): the fake returns Z (the backward's operand then) only where it is off, and the real
+    op refuses A24 where the CUDA kernels cannot make it, in one line, instead of handing back Z in
+    its place."""
     import srelu24_kernels.srelu24.op as K
 
     T, d, F_ = 100, 64, 128
     o = OpOptions(SReLU24Recipe(True, 0.05, True))
     meta = (torch.empty(T, d, dtype=torch.bfloat16, device="meta"), torch.empty(F_, d, dtype=torch.bfloat16, device="meta"),
             torch.empty(d, F_, dtype=torch.bfloat16, device="meta"))
-    for keep, shape in ((True, (padded(T, ROWS_PER_BAND), F_ * 9 // 16)), (False, (T, F_))):
+    for keep, z_shape in ((True, (0,)), (False, (T, F_))):  # A24 always (ffn_output's A), Z where it is kept
         args = list(forward_args(*meta, False, o))
         args[8] = keep
-        assert K.ffn_forward(*args)[1].shape == shape
+        a24, _, z, *_ = K.ffn_forward(*args)
+        assert a24.shape == (padded(T, ROWS_PER_BAND), F_ * 9 // 16) and z.shape == z_shape
     x, w1, w2 = torch.randn(T, d, dtype=torch.bfloat16), torch.randn(F_, d, dtype=torch.bfloat16), torch.randn(d, F_, dtype=torch.bfloat16)
     args = list(forward_args(x, w1, w2, False, o))
     assert args[8] is False  # no CUDA kernels on the CPU

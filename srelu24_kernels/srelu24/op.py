@@ -1,4 +1,4 @@
-"""The srelu24 FFN on sparse tensor cores: the fused sparsify passes + cuSPARSELt, as a custom op.
+"""The srelu24 FFN on sparse tensor cores: the fused sparsify passes + cuSPARSELt, as custom ops.
 
 Same function as srelu24_kernels.srelu24.reference.srelu24_ffn (its reference), GEMM by GEMM:
 
@@ -19,6 +19,13 @@ Same function as srelu24_kernels.srelu24.reference.srelu24_ffn (its reference), 
               dW1 = S(dZ)^T X            and their rows (columns of dW2) computed by a dense GEMM
               dW2 comes out of cuSPARSELt as [d, F] (its column-major output); dX's rows are
               gathered back to token order
+
+Three ops: srelu24::ffn_forward (up to A24), srelu24::ffn_output (Y) and srelu24::ffn_backward (the
+whole backward). Y's GEMM is an op of its own so that a checkpointed block recomputes without it:
+AOT autograd's partitioner recomputes in the backward only the forward's nodes whose outputs the
+backward reads (A24 or Z, the counts), as it leaves W2's GEMM out of the dense FFN's recomputation.
+dL/dY reaches ffn_forward's backward through h, an output of ffn_forward without storage that
+ffn_output takes and gives Y's gradient to.
 
 The backward's modes, and who sets them:
 
@@ -156,23 +163,22 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
                 grad_w2: Optional[Tensor], pairs: list[Tensor], collect_stats: bool, keep_a24: bool,
                 token_permutation: bool, dense_feature_fraction: float, reuse_forward_mask: bool, float8: str,
                 sparse_float8: bool, defer_unscaling: bool, pairing: int
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(Y [T, d]; A24 [padded(T, 64), 9F/16] if keep_a24 else Z [T, F], for the backward;
-    kept non-zeros per feature [F] int32; the statistics row [N_SUMS] float64, empty unless
-    collect_stats; X's e4m3 cast for dW1 [d, T] (its bytes, uint8) and its column scales [d] where
-    _pairs_token_casts (the backward keeps these instead of X), else empty; A24's column maxima [F]
-    float32 where _fuses_a24_cast, else empty; Y's row [T] and column [d] scales where
-    _defers_unscaling (Y is then still scaled: fp8_sparse.unscaled(Y, *scales) is the product),
-    else empty). defer_unscaling: asked by the caller inside a compiled graph, where the
-    unscaling fuses into the residual add (ffn). The gradient autograd hands the backward for Y is
-    dL/dY of the unscaled Y: a caller that defers must unscale Y with an identity gradient
-    (_Unscaled), or its gradients are wrong. weights:
-    WeightOperands.flat() or []; grad_w1, grad_w2 are the backward's (the buffers it adds into),
-    taken here so that autograd hands them to it, as are pairs (GradPairs' tensors or []) and
-    pairing (PAIR_OFF, PAIR_KEEP, PAIR_ADD: _paired_weight_grads). keep_a24: `keeps_a24`,
-    asked by the caller: an argument is part of a compiled graph and so of Inductor's on-disk
-    cache key, which cannot see whether the CUDA kernels are built (a graph compiled with them,
-    reused without, expected A24 where the op returned Z)."""
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward up to A24 (Y = A24 W2^T is ffn_output's): (A24 [padded(T, 64), 9F/16], compressed;
+    h [T, d] bf16, Y's gradient carrier for ffn_output (_gradient_carrier); Z [T, F] where not
+    keep_a24 (the backward reads it then), else empty; kept non-zeros per feature [F] int32; the
+    statistics row [N_SUMS] float64, empty unless collect_stats; X's e4m3 cast for dW1 [d, T] (its
+    bytes, uint8) and its column scales [d] where _pairs_token_casts (the backward keeps these
+    instead of X), else empty; A24's column maxima [F] float32 where _fuses_a24_cast, else empty).
+    The backward is this op's: it gets dL/dY as h's gradient and returns dX, dW1 and dW2 (w2, not
+    read here, is an input for that). defer_unscaling: the backward's dX leaves ffn_backward still
+    scaled (_defers_unscaling), as ffn_output's Y. weights: WeightOperands.flat() or []; grad_w1,
+    grad_w2 are the backward's (the buffers it adds into), taken here so that autograd hands them
+    to it, as are pairs (GradPairs' tensors or []) and pairing (PAIR_OFF, PAIR_KEEP, PAIR_ADD:
+    _paired_weight_grads). keep_a24: `keeps_a24`, asked by the caller: an argument is part of a
+    compiled graph and so of Inductor's on-disk cache key, which cannot see whether the CUDA
+    kernels are built (a graph compiled with them, reused without, expected A24 where the op
+    returned Z)."""
     _check_dtypes("ffn_forward", w1, w2, x=x)
     if keep_a24 and not keeps_a24(x, w1, reuse_forward_mask):
         raise ValueError(f"srelu24::ffn_forward was asked to keep A24 for the backward, which needs {KERNELS.path()} "
@@ -189,20 +195,13 @@ def ffn_forward(x: Tensor, w1: Tensor, w2: Tensor, weights: list[Tensor], grad_w
     amax = torch.zeros(w1.shape[0], dtype=torch.float32, device=x.device) if _fuses_a24_cast(
         T, w1.shape[0], o, x.device, keep_a24, collect_stats) else None
     buf, counts = srelu_sparsify_2to4(z, totals=totals, amax=amax)
-    if _defers_unscaling(buf, w2.t(), o, defer_unscaling):
-        y, y_rows, y_cols = fp8_sparse.scaled_sparse_mm(buf, w2.t(), b_e4m3=kept and kept.for_y)
-        y, y_rows = y[:T], y_rows[:T]
-        y_cols = y_cols.clone() if kept else y_cols  # a kept conversion's is an input: an output may not alias it
-    else:
-        y = _sparse_mm(buf, w2.t(), o.e4m3, converted=kept and kept.for_y)[:T]
-        y_rows, y_cols = x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)
     row = (srelu24_sums_from_counts(counts, totals, T, dense_feature_fraction) if collect_stats
            else z.new_empty(0, dtype=torch.float64))  # no launch on the hot path
     # the cast's bytes as uint8: an integer output, which autograd gives no gradient (float8 ones it would try to)
     x_cols, x_scale = ((for_dw1[0].view(torch.uint8), for_dw1[1]) if for_dw1 is not None
                        else (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32)))
-    return (y, buf if keep_a24 else z, counts, row, x_cols, x_scale,
-            amax if amax is not None else x.new_empty(0, dtype=torch.float32), y_rows, y_cols)
+    return (buf, _gradient_carrier(x, w2), z.new_empty(0) if keep_a24 else z, counts, row, x_cols, x_scale,
+            amax if amax is not None else x.new_empty(0, dtype=torch.float32))
 
 
 @ffn_forward.register_fake
@@ -210,17 +209,65 @@ def _(x, w1, w2, weights, grad_w1, grad_w2, pairs, collect_stats, keep_a24, toke
       reuse_forward_mask, float8, sparse_float8, defer_unscaling, pairing):
     _check_dtypes("ffn_forward", w1, w2, x=x)
     T, F_ = x.shape[0], w1.shape[0]
-    saved = x.new_empty(padded(T, ROWS_PER_BAND), F_ * 9 // 16) if keep_a24 else x.new_empty(T, F_)
     o = OpOptions.from_flags(token_permutation, dense_feature_fraction, reuse_forward_mask, float8, sparse_float8)
     d, paired = x.shape[1], _pairs_token_casts(T, F_, o, x.device)
     fused = _fuses_a24_cast(T, F_, o, x.device, keep_a24, collect_stats)
-    deferred = _defers_unscaling(_compressed_like(x, F_), w2.t(), o, defer_unscaling)
-    return (x.new_empty(T, w2.shape[0]), saved, x.new_empty(F_, dtype=torch.int32),
-            x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64),
+    return (_compressed_like(x, F_), _gradient_carrier(x, w2), x.new_empty(0) if keep_a24 else x.new_empty(T, F_),
+            x.new_empty(F_, dtype=torch.int32), x.new_empty(N_SUMS if collect_stats else 0, dtype=torch.float64),
             x.new_empty((d, T) if paired else 0, dtype=torch.uint8), x.new_empty(d if paired else 0, dtype=torch.float32),
-            x.new_empty(F_ if fused else 0, dtype=torch.float32),
-            x.new_empty(T if deferred else 0, dtype=torch.float32),
-            x.new_empty(w2.shape[0] if deferred else 0, dtype=torch.float32))
+            x.new_empty(F_ if fused else 0, dtype=torch.float32))
+
+
+def _gradient_carrier(x: Tensor, w2: Tensor) -> Tensor:
+    """ffn_forward's h: Y's shape [T, d] and dtype in one element of storage (all strides 0), never
+    read. Its gradient is dL/dY, which autograd checks against its shape, dtype and device only.
+    Zero (an op's outputs must be the same in every run: opcheck), one element written: zero_ on
+    the [T, d] view would write T d times."""
+    return torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(x.shape[0], w2.shape[0])
+
+
+@torch.library.custom_op("srelu24::ffn_output", mutates_args=())
+def ffn_output(a24: Tensor, h: Tensor, w2: Tensor, for_y: list[Tensor], float8: str, sparse_float8: bool,
+               defer_unscaling: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(Y = A24 W2^T [T, d] bf16, the 2:4 GEMM: e4m3 where OpOptions.e4m3 and fp8_sparse.usable, else
+    bf16; Y's row [T] and column [d] scales where _defers_unscaling (Y is then still scaled:
+    fp8_sparse.unscaled(Y, *scales) is the product), else empty). a24, h: ffn_forward's first two
+    outputs (h for its shape and its gradient: dL/dY of the unscaled Y goes to it, and so to
+    ffn_forward's backward, which does all of the backward's work; a24, w2 and for_y get none, dW2
+    being ffn_forward's). for_y: W2^T's e4m3 conversion kept for the step (WeightOperands.for_y) or [].
+    defer_unscaling: asked by the caller inside a compiled graph, where the unscaling fuses into
+    the residual add (ffn). A caller that defers must unscale Y with an identity gradient
+    (_Unscaled), or its gradients are wrong."""
+    o = OpOptions(float8=float8, sparse_float8=sparse_float8)
+    converted = tuple(for_y) or None
+    T = h.shape[0]
+    if _defers_unscaling(a24, w2.t(), o, defer_unscaling):
+        y, y_rows, y_cols = fp8_sparse.scaled_sparse_mm(a24, w2.t(), b_e4m3=converted)
+        # a kept conversion's scales are an input: an output may not alias it
+        return y[:T], y_rows[:T], y_cols.clone() if converted else y_cols
+    y = _sparse_mm(a24, w2.t(), o.e4m3, converted=converted)[:T]
+    return y, y.new_empty(0, dtype=torch.float32), y.new_empty(0, dtype=torch.float32)
+
+
+@ffn_output.register_fake
+def _(a24, h, w2, for_y, float8, sparse_float8, defer_unscaling):
+    deferred = _defers_unscaling(a24, w2.t(), OpOptions(float8=float8, sparse_float8=sparse_float8), defer_unscaling)
+    T, d = h.shape
+    return (a24.new_empty(T, d), a24.new_empty(T if deferred else 0, dtype=torch.float32),
+            a24.new_empty(d if deferred else 0, dtype=torch.float32))
+
+
+def _output_setup_context(ctx, inputs, output):
+    ctx.n_for_y = len(inputs[3])
+    ctx.set_materialize_grads(False)  # the scales' gradients: None, not zeros
+
+
+def _output_backward(ctx, dy, *unused):
+    # dL/dY to h alone: ffn_forward's backward computes every gradient, dW2 included
+    return None, dy, None, [None] * ctx.n_for_y, None, None, None
+
+
+ffn_output.register_autograd(_output_backward, setup_context=_output_setup_context)
 
 
 # ------------------------------------------------------------------ backward
@@ -365,7 +412,7 @@ def _defers_unscaling(a: Tensor, b: Tensor, o: OpOptions, asked: bool, backward:
     The unscaling, fp8_sparse.unscaled in torch ops, then fuses into the residual add that reads Y and
     the norm's backward that reads dX, instead of a pass over each (read and write [T, d] in bf16).
     dX also needs dZ 2:4 (reuse_forward_mask) and no token order drawn by the op (its rows gathered
-    back). The fakes ask with stand-ins for A of its shape."""
+    back). ffn_backward's fake asks with a stand-in for A of its shape."""
     if backward and not (o.recipe.reuse_forward_mask and not o.recipe.token_permutation):
         return False
     return asked and o.e4m3 and fp8_sparse.usable(a, b)
@@ -465,19 +512,20 @@ def _setup_context(ctx, inputs, output):
     # weights that want no gradient take the plain path: adding would give them a .grad
     ctx.in_place = g1 is not None and g2 is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
     ctx.n_weights = len(weights)
-    _, saved, counts, _, x_cols, x_scale, a24_amax, _, _ = output
+    a24, _, z, counts, _, x_cols, x_scale, a24_amax = output
+    saved = a24 if keep_a24 else z
     # X's cast for dW1 where the forward made it (1 byte an element, its scales), else X (2 bytes)
     ctx.x_paired = x_cols.numel() > 0
     xs = (x_cols, x_scale) if ctx.x_paired else (x,)
     ctx.a24_amax = a24_amax.numel() > 0
     ctx.save_for_backward(*xs, w1, w2, saved, counts, *((a24_amax,) if ctx.a24_amax else ()), *weights,
                           *((g1, g2) if ctx.in_place else ()), *pairs)
-    # A24/Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
+    # A24, Z and the statistics row never get gradients: without this autograd fills a zero "gradient"
     # for them before the backward, a memset of [T, F] per layer that buys nothing
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, *unused):  # only Y carries a gradient
+def _backward(ctx, _, dy, *unused):  # only h carries a gradient: dL/dY, from ffn_output's backward
     # the inputs' gradients: x, w1, w2, then one per kept conversion (a list), none for the rest
     # (grad_w1, grad_w2, the pairs' buffers (a list), collect_stats, keep_a24, the flags)
     no_grads = ([None] * ctx.n_weights, None, None, [None] * ctx.n_pairs, None, None) + (None,) * len(ctx.flags)
@@ -540,12 +588,15 @@ def ffn(x: Tensor, w1: Tensor, w2: Tensor, options: OpOptions = OpOptions(), sta
     if step is not None and step.pairs is not None:
         pairs, pairing = list(step.pairs), PAIR_KEEP if step.micro_batches.keep else PAIR_ADD
     keep = keeps_a24(x, w1, options.recipe.reuse_forward_mask)  # decided here: a constant of the compiled graph
-    # compiled: Y and dX leave the op still scaled, their unscaling fused into what reads them (by
+    # compiled: Y and dX leave the ops still scaled, their unscaling fused into what reads them (by
     # Inductor; under aot_eager, a test backend, the unscaling runs as four elementwise passes)
     defer = options.e4m3 and torch.compiler.is_compiling()
-    y, _, _, row, _, _, _, y_rows, y_cols = ffn_forward(
-        x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3), _op_weight(w2, options.e4m3), kept,
-        g1, g2, pairs, stats is not None, keep, *options.flags(tokens_permuted), defer, pairing)
+    w2 = _op_weight(w2, options.e4m3)
+    a24, h, _, _, row, _, _, _ = ffn_forward(
+        x.reshape(-1, shape[-1]).to(torch.bfloat16), _op_weight(w1, options.e4m3), w2, kept, g1, g2, pairs,
+        stats is not None, keep, *options.flags(tokens_permuted), defer, pairing)
+    for_y = list(step.weights.for_y) if kept else []
+    y, y_rows, y_cols = ffn_output(a24, h, w2, for_y, options.float8, options.sparse_float8, defer)
     if y_rows.numel():
         y = _Unscaled.apply(y, y_rows, y_cols)
     if stats is not None:
