@@ -235,7 +235,7 @@ class MicroBatchGraphs:
                     self._run()
         torch.cuda.current_stream().wait_stream(side)
         torch._foreach_zero_([p.grad for p in self.params])
-        pool = None
+        pool, graphs = None, {}
         for half in halves:
             self._as_half(half)
             graph = torch.cuda.CUDAGraph()
@@ -245,9 +245,10 @@ class MicroBatchGraphs:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 loss = self._run()
             pool = graph.pool() if hasattr(graph, "pool") else None
-            self.graphs[half] = (graph, loss)
+            graphs[half] = (graph, loss)
         self._as_half(True)
-        self.grads = [p.grad for p in self.params]
+        # kept only once every half is captured: a failed second capture leaves none, not half a pair
+        self.graphs, self.grads = graphs, [p.grad for p in self.params]
         what = "2:4 phase" if self.phase and self.ffns else "dense"
         log.info(f"trainer.cuda_graph: a micro-batch's forward and backward captured ({what}"
                  f"{', one graph per half of a pair of micro-batches' if len(halves) > 1 else ''}; "

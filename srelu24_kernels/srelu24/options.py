@@ -94,7 +94,8 @@ class GradPairs(NamedTuple):
 class MicroBatches:
     """Where an optimizer step is in its micro-batches, for the FFNs that pair their weight gradients:
     `keep` is true on the first of each pair (0, 2, 4, ...), a bool (a compiled block recompiles per
-    value it reads: two, not one per index). training/step.py advances it after each backward; a
+    value it reads: two, not one per index). training/step.py advances it after each backward (under
+    trainer.cuda_graph, training/cuda_graph.py after each micro-batch, replayed or eager); a
     recomputed forward (activation checkpointing) reads the same value as its micro-batch's first.
     Whoever opens srelu24_step and runs micro-batches must advance it after each one, and each
     FFN runs once a micro-batch: a pair's first is kept until its second comes."""
