@@ -249,14 +249,22 @@ class SReLU24(SReLU):
         if self.step_state is None:
             return
         state, self.step_state = self.step_state, None
-        if state.pairs is not None and state.micro_batches.done % 2:  # ended on a pair's first: its products wait
-            from srelu24_kernels.srelu24.op import add_kept
-
-            if state.grads is not None:  # None only where the step failed before its second micro-batch
-                add_kept(state.pairs, state.grads, state.pairs.g2.shape[0] > 0)
+        add_trailing_kept(state)
         if _versions(self.w1.weight, self.w2.weight) != self._written:
             raise RuntimeError("srelu24: W1 or W2 was written during an optimizer step's micro-batches, while "
                                "their e4m3 conversions were kept; write the weights between steps")
+
+
+def add_trailing_kept(state: Optional[StepState]) -> None:
+    """A step that ended on a pair's first micro-batch (ffn.paired_grad_unscaling, an odd number of
+    them): its kept weight-gradient products added into .grad, at the step's end (SReLU24.end_step;
+    under trainer.cuda_graph, training/cuda_graph.py)."""
+    if state is None or state.pairs is None or not state.micro_batches.done % 2:
+        return
+    from srelu24_kernels.srelu24.op import add_kept
+
+    if state.grads is not None:  # None only where the step failed before its second micro-batch
+        add_kept(state.pairs, state.grads, state.pairs.g2.shape[0] > 0)
 
 
 def _versions(*ws: Tensor) -> tuple:

@@ -44,7 +44,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 from torch import Tensor, nn
 
-from model.ffn import SReLU24, conversions_kept
+from model.ffn import SReLU24, add_trailing_kept, conversions_kept
 from srelu24_kernels.srelu24.options import MicroBatches
 from srelu24_kernels.srelu24.reference import random_token_orders
 
@@ -192,12 +192,9 @@ class MicroBatchGraphs:
         """After the step's last micro-batch, before the optimizer writes the weights: a pair's first
         left without its second adds its kept products into .grad; the kept step states leave the
         FFNs (an evaluation reads the new weights, not the conversions)."""
-        if self.micro_batches is not None and self.micro_batches.done % 2:
-            from srelu24_kernels.srelu24.op import add_kept
-
+        if self.micro_batches is not None:
             for st in self.states:
-                if st is not None and st.pairs is not None:
-                    add_kept(st.pairs, st.grads, st.pairs.g2.shape[0] > 0)
+                add_trailing_kept(st)
             self.micro_batches.done = 0  # added: a second end_step (close) adds nothing
         for m in self.ffns:
             m.step_state = None
