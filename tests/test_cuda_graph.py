@@ -52,6 +52,9 @@ class _FakeCapture:
     replays = 0
     captures = 0
 
+    def pool(self):
+        return None
+
     def replay(self):
         _FakeCapture.replays += 1
         r = _FakeCapture.runner

@@ -161,7 +161,7 @@ class MicroBatchGraphs:
         for m, st in zip(self.ffns, self.states):
             m.step_state = st
         if self.micro_batches is not None:
-            self.micro_batches.keep, self.micro_batches.done = True, 0
+            self.micro_batches.reset()
         self.eager, self.index = stats or not self.capture, 0
 
     def micro(self, x: Tensor, y: Tensor) -> Tensor:
@@ -195,7 +195,7 @@ class MicroBatchGraphs:
         if self.micro_batches is not None:
             for st in self.states:
                 add_trailing_kept(st)
-            self.micro_batches.done = 0  # added: a second end_step (close) adds nothing
+            self.micro_batches.reset()  # added: a second end_step (close) adds nothing
         for m in self.ffns:
             m.step_state = None
 
@@ -241,7 +241,7 @@ class MicroBatchGraphs:
             # pool: the second half's graph reuses the first's memory (they run one after the other)
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 loss = self._run()
-            pool = graph.pool() if hasattr(graph, "pool") else None
+            pool = graph.pool()
             graphs[half] = (graph, loss)
         self._as_half(True)
         # kept only once every half is captured: a failed second capture leaves none, not half a pair

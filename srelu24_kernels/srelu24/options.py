@@ -105,6 +105,10 @@ class MicroBatches:
     def advance(self) -> None:
         self.keep, self.done = not self.keep, self.done + 1
 
+    def reset(self) -> None:
+        """At a step's start (or once its trailing kept products are added): no micro-batch done."""
+        self.keep, self.done = True, 0
+
 
 @dataclass
 class StepState:
