@@ -9,6 +9,19 @@ from .errors import DataError
 from .shards import Manifest
 
 
+def batch_to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A CPU batch (the loader's x, y) on `device`, without the host waiting for the GPU.
+
+    To a GPU it goes through page-locked memory: a copy from pageable memory may first wait for
+    the work queued on the stream (CUDA's "API synchronization behavior"), after which the GPU idles
+    while the host prepares the rest of the micro-batch, srelu24's token orders among it. The
+    page-locked block is torch's caching host allocator's, reused only once the copy from it has
+    run."""
+    if device.type != "cuda":
+        return x.to(device), y.to(device)
+    return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+
+
 class TokenLoader:
     """Batches of non-overlapping windows of one split, shuffled per epoch from (seed, epoch).
 

@@ -89,7 +89,7 @@ from training.optim import build_optimizer  # noqa: E402
 from training.checkpoint import CheckpointError, is_checkpoint, load_weights_into, read_train_state, verify_checkpoint  # noqa: E402
 from training.config_checks import resolve_vocab_size  # noqa: E402
 from data.errors import DataError  # noqa: E402
-from data.loader import TokenLoader  # noqa: E402
+from data.loader import TokenLoader, batch_to_device  # noqa: E402
 from training.cuda_graph import MicroBatchGraphs, graph_problem  # noqa: E402
 from training.step import StepParts, TrainState, train_step  # noqa: E402
 from training.gpu_clocks import ClockSampler, energy_during, interleaved_rounds  # noqa: E402
@@ -386,12 +386,10 @@ def bench(cfg, args, d) -> dict:
 
     def next_batch():
         if loader is not None:
-            x, y = loader.next_batch()
-            return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            return batch_to_device(*loader.next_batch(), device)
         tokens = torch.randint(1, vocab, (B, S + 1))
         tokens[:, ::args.doc_len] = 0  # a boundary every doc_len tokens
-        tokens = tokens.to(device, non_blocking=True)
-        return tokens[:, :-1], tokens[:, 1:]
+        return batch_to_device(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), device)
 
     def train_step_timed(log: bool = None) -> None:
         clock.start()

@@ -403,3 +403,41 @@ def test_changed_split_settings_are_not_served_from_cache(tmp_path):
     cfg.val_fraction = 0.5
     with pytest.raises(DataError, match="val_fraction=0.25"):
         prepare(cfg, tmp_path, progress=False)
+
+
+def test_batch_to_device_keeps_the_batch(tmp_path):
+    """The loader's batch on the CPU "device": the same values, dtype and shape (the trainer's and
+    bench_step's path on machines without a GPU)."""
+    from data.loader import batch_to_device
+
+    ld = _loader(tmp_path, _arange_shards(tmp_path))
+    x, y = ld.next_batch()
+    dx, dy = batch_to_device(x, y, torch.device("cpu"))
+    assert torch.equal(dx, x) and torch.equal(dy, y) and dx.dtype == torch.int64
+
+
+@pytest.mark.gpu
+def test_batch_to_device_does_not_wait_for_the_gpu_and_every_batch_arrives_intact():
+    """On a GPU busy with earlier work the copy returns at once (through page-locked memory; a
+    pageable copy may wait for the stream), and batches issued back to back while the GPU is busy
+    arrive intact: no page-locked block is reused before the copy from it has run."""
+    from data.loader import batch_to_device
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream()
+    x = torch.zeros(8, 2048, dtype=torch.int64)
+    for _ in range(64):  # the caching host allocator's blocks exist already, as after a run's first steps
+        batch_to_device(x, x, dev)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the copies
+    sent, got = [], []
+    for i in range(64):
+        x = torch.full((8, 2048), i, dtype=torch.int64)
+        y = torch.arange(8 * 2048, dtype=torch.int64).view(8, 2048) + i
+        sent.append((x.clone(), y.clone()))
+        got.append(batch_to_device(x, y, dev))
+        x.fill_(-1), y.fill_(-1)  # the caller's tensors reused at once, as a loader's may be
+    assert not stream.query(), "the host waited for the GPU's queued work"
+    torch.cuda.synchronize()
+    for (x, y), (dx, dy) in zip(sent, got):
+        assert dx.is_cuda and torch.equal(dx.cpu(), x) and torch.equal(dy.cpu(), y)

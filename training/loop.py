@@ -20,7 +20,7 @@ from tqdm import tqdm
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from data.errors import DataError
-from data.loader import TokenLoader
+from data.loader import TokenLoader, batch_to_device
 from data.shards import prepare
 from model import Transformer, ffn_hidden_dim, model_size
 from srelu24_kernels.ffn_stats import derive
@@ -278,8 +278,7 @@ def one_step(run: Run, parts: StepParts, meter: Throughput, bar, progress: Progr
     log_now, stats_now = logged(t, done, last=done == run.steps)
 
     def next_batch():
-        x, y = run.loader.next_batch()  # this rank's part of the global batch
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return batch_to_device(*run.loader.next_batch(), device)  # this rank's part of the global batch
 
     out = train_step(parts, state, next_batch, log=log_now, stats=stats_now, stop_requested=lambda: progress.stop.requested is not None)
     if run.ckpt.wants_prepare:  # the optimizer has its state now: background saves' host copy, allocated meanwhile
