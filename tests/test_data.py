@@ -426,7 +426,8 @@ def test_batch_to_device_does_not_wait_for_the_gpu_and_every_batch_arrives_intac
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream()
     x = torch.zeros(8, 2048, dtype=torch.int64)
-    for _ in range(64):  # the caching host allocator's blocks exist already, as after a run's first steps
+    torch.cuda._sleep(200_000_000)  # a first round while busy: the caching host allocator's blocks exist
+    for _ in range(64):             # when the checked round asks for them, as after a run's first steps
         batch_to_device(x, x, dev)
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the copies
@@ -436,7 +437,8 @@ def test_batch_to_device_does_not_wait_for_the_gpu_and_every_batch_arrives_intac
         y = torch.arange(8 * 2048, dtype=torch.int64).view(8, 2048) + i
         sent.append((x.clone(), y.clone()))
         got.append(batch_to_device(x, y, dev))
-        x.fill_(-1), y.fill_(-1)  # the caller's tensors reused at once, as a loader's may be
+        x.fill_(-1)  # the caller's tensors reused at once, as a loader's may be
+        y.fill_(-1)
     assert not stream.query(), "the host waited for the GPU's queued work"
     torch.cuda.synchronize()
     for (x, y), (dx, dy) in zip(sent, got):
