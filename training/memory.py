@@ -11,9 +11,14 @@ What one GPU holds, for T = micro_batch_size x seq_len tokens, P parameters (P_b
     two normalised copies, q, k, v and the attention output (k, v with n_kv_heads), and the FFN's:
     swiglu its gate, up and product (3 hidden vectors), srelu Z and A = relu(Z)^2 (2), srelu24
     in its 2:4 phase the compressed A24 alone (the kept half of the values plus 2-bit metadata:
-    9/16 of Z's bytes); in its dense warmup it keeps what srelu keeps. (Under tensorwise float8 on
-    an sm90 GPU its FFN keeps X's e4m3 cast for dW1 in place of the normalised copy X, a byte per
-    token and d less; not counted, so the estimate stays an upper bound there.)
+    9/16 of Z's bytes); in its dense warmup it keeps what srelu keeps.
+  A compiled block under float8 (trainer.float8 with trainer.compile; either recipe) keeps less, as
+  the partitioner saves what the float8 backward reads (tests/test_memory.py traces a block on the
+  CPU): neither normalised copy (their casts are remade from the residual stream) but the FFN
+  input's e4m3 cast (a byte per d), and one hidden vector fewer (srelu Z without A, swiglu gate and
+  up without their product: recomputed). srelu24's 2:4 op keeps X's e4m3 cast too under tensorwise
+  (X itself where it does not make that cast). Float8 linears cast their fp32 weights to e4m3
+  directly: no autocast bf16 copies of them.
   A checkpointed block (trainer.activation_checkpointing) keeps only its input and recomputes
   the rest in its backward.
 - the largest transient, at the start of the backward, the larger of
@@ -60,6 +65,7 @@ GiB = 2 ** 30
 RESIDUAL_BACKWARD_BYTES_PER_D = 16   # a block's backward: fp32 incoming gradient, dq/dk/dv, fp32 dq accumulator
 BLOCK_GRAD_TRANSIENT_BYTES = 8       # per parameter of the block in backward, beside its fp32 .grad
 FFN_KEPT = {"swiglu": 3.0, "srelu": 2.0}  # bf16 hidden-sized tensors kept for the backward
+FFN_KEPT_FLOAT8 = {"swiglu": 2.0, "srelu": 1.0}  # the same, compiled under float8 (one recomputed)
 A24_OF_Z = 9 / 16                    # srelu24's compressed A24 against Z: half the values + 2 bits each
 KEPT_CONVERSIONS = "srelu24's kept e4m3 weight conversions"
 PAIRED_PRODUCTS = "srelu24's kept weight-gradient products (ffn.paired_grad_unscaling)"
@@ -100,19 +106,32 @@ def _meta_model(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int) -> Transformer:
 
 
 def block_activation_bytes(mcfg: ModelConfig, fcfg: FFNConfig, sparse_2to4: bool, residual_bytes: int,
-                           act_bytes: int) -> float:
-    """Bytes per token that one block keeps for its backward."""
+                           act_bytes: int, float8: Float8 = Float8.none, compiled: bool = False,
+                           statistics: bool = True) -> float:
+    """Bytes per token that one block keeps for its backward (the module docstring). statistics: a
+    step that collects the FFN statistics, which keeps more under compiled float8 (a dense FFN's
+    statistics split its block); the peak of an eager run is such a step."""
     d = mcfg.dim
     d_kv = (mcfg.n_kv_heads or mcfg.n_heads) * (d // mcfg.n_heads)
     h = ffn_hidden_dim(mcfg, fcfg)
     kind = fcfg.kind
-    if kind == "srelu24" and sparse_2to4:
+    sparse = kind == "srelu24" and sparse_2to4
+    float8_compiled = compiled and float8 != Float8.none
+    kept = FFN_KEPT_FLOAT8 if float8_compiled else FFN_KEPT
+    if sparse:
         ffn = A24_OF_Z * act_bytes * h
     else:
         # a variant not listed is counted as swiglu, which keeps the most
-        ffn = FFN_KEPT.get("srelu" if kind == "srelu24" else kind, FFN_KEPT["swiglu"]) * act_bytes * h
+        ffn = kept.get("srelu" if kind == "srelu24" else kind, kept["swiglu"]) * act_bytes * h
+    if not float8_compiled:
+        normalised = 2 * act_bytes * d
+    else:  # the FFN input's e4m3 cast (srelu24's op: X where it makes no cast)
+        normalised = (act_bytes if sparse and not (float8 == Float8.tensorwise and fcfg.sparse_float8) else 1) * d
+        if statistics and not sparse:
+            # the split's two sides each keep a cast: the FFN's output-side activation, the attention output
+            ffn, normalised = ffn + h, normalised + d
     # residual stream in and after attention; their normalised copies; q, o and k, v
-    return 2 * residual_bytes * d + 2 * act_bytes * d + act_bytes * (2 * d + 2 * d_kv) + ffn
+    return 2 * residual_bytes * d + normalised + act_bytes * (2 * d + 2 * d_kv) + ffn
 
 
 def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, world_size: int = 1,
@@ -135,7 +154,8 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     L, d, T = mcfg.n_layers, mcfg.dim, t.micro_batch_size * t.seq_len
     n_ckpt = {ActivationCheckpointing.none: 0, ActivationCheckpointing.selective: math.ceil(L / 2),
               ActivationCheckpointing.full: L}[t.activation_checkpointing]
-    per_block = block_activation_bytes(mcfg, fcfg, sparse_2to4, residual, act) * T
+    def per_block(statistics: bool = True) -> float:
+        return block_activation_bytes(mcfg, fcfg, sparse_2to4, residual, act, t.float8, t.compile, statistics) * T
 
     e = MemoryEstimate()
     e.parts["parameters (fp32)"] = 4 * P // shard
@@ -145,16 +165,19 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         e.parts["DDP gradient buckets"] = 4 * P
     if fsdp:
         e.parts["FSDP all-gathered bf16 weights"] = (2 if bf16 else 4) * (P_root + 2 * P_block)
-    e.parts["activations"] = int((L - n_ckpt) * per_block + n_ckpt * residual * d * T)
+    def activations(statistics: bool = True) -> int:
+        return int((L - n_ckpt) * per_block(statistics) + n_ckpt * residual * d * T)
+
+    e.parts["activations"] = activations()
 
     kept_grads = grad_accumulation or t.cuda_graph  # .grad exists before the backward (added into)
     out_grad = 0 if kept_grads else 4 * vocab * d // shard  # else: already in the gradients
     head = 2 * act * T * vocab + out_grad
     block = (out_grad + (0 if kept_grads else 4 * P_block // shard) + BLOCK_GRAD_TRANSIENT_BYTES * P_block
-             + RESIDUAL_BACKWARD_BYTES_PER_D * (act // 2) * d * T + (per_block if n_ckpt else 0))
+             + RESIDUAL_BACKWARD_BYTES_PER_D * (act // 2) * d * T + (per_block() if n_ckpt else 0))
     e.transient = "loss head backward" if head >= block else "block backward"
     e.parts[f"largest transient ({e.transient})"] = int(max(head, block))
-    if grad_accumulation and bf16 and not fsdp:
+    if grad_accumulation and bf16 and not fsdp and t.float8 == Float8.none:
         # autocast's bf16 copy of every block's linear weights lives from the forward into the
         # backward; srelu24's op takes W1, W2 itself in its 2:4 phase. Measured at full depth under
         # accumulation (7B, 32 layers, one H200: 8-12 GiB above the estimate without it); the
@@ -170,10 +193,10 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         e.parts[PAIRED_PRODUCTS] = 2 * 2 * d * ffn_hidden_dim(mcfg, fcfg) * L
 
     if t.cuda_graph:
-        # training/cuda_graph.py: the graph's private pool keeps what a micro-batch allocates, and an
-        # eager micro-batch (the capture's warmup, a step with FFN statistics) takes its own beside it; .grad
-        # is allocated for the whole run
-        e.parts[GRAPH_POOL] = e.parts["activations"] + int(max(head, block)) + e.parts.get(WEIGHT_COPIES, 0)
+        # training/cuda_graph.py: the graph's private pool keeps what a micro-batch without statistics
+        # allocates, and an eager micro-batch (the capture's warmup, a step with FFN statistics) takes its
+        # own beside it; .grad is allocated for the whole run
+        e.parts[GRAPH_POOL] = activations(statistics=False) + int(max(head, block)) + e.parts.get(WEIGHT_COPIES, 0)
     # what lives from the forward into the backward only (not through the optimizer step)
     backward_only = (KEPT_CONVERSIONS, PAIRED_PRODUCTS, WEIGHT_COPIES, GRAPH_POOL)
     resident = sum(v for k, v in e.parts.items()
