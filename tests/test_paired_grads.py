@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import cpu_scaled_mm_runs
-from srelu24_kernels.cusparselt.layout import decompress_e4m3
+from srelu24_kernels.cusparselt.layout import decompress_e4m3, e4m3_metadata
 from srelu24_kernels.float8 import sparse as fp8_sparse
 from srelu24_kernels.srelu24.options import OpOptions
 from srelu24_kernels.srelu24.reference import SReLU24Recipe
@@ -78,6 +78,35 @@ def _e4m3_path_on_the_cpu(monkeypatch) -> None:
 
     monkeypatch.setattr(fp8_sparse, "cached_mm", e4m3_mm)
     monkeypatch.setattr(fp8_sparse, "searched_alg", lambda a, b, transpose_result=False: 0)
+    # interpreted, this one kernel took three quarters of these tests' time (a program per row);
+    # its PyTorch reference gives the same bytes (test_the_cpu_stand_in_of_compressed_to_e4m3_is_the_kernel)
+    monkeypatch.setattr(fp8_sparse, "compressed_to_e4m3", compressed_to_e4m3_reference)
+
+
+def compressed_to_e4m3_reference(buf: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_sparse.compressed_to_e4m3 in PyTorch: the value rows scaled and cast as rows_to_e4m3_reference
+    does, the bf16 metadata words permuted into the e4m3 layout's (e4m3_metadata)."""
+    flat, values = buf.reshape(-1), m * k // 2
+    v8, scale = fp8_sparse.rows_to_e4m3_reference(flat[:values].view(m, k // 2))
+    meta = e4m3_metadata(flat[values:values + m * k // 16], m, k)
+    return torch.cat([v8.view(torch.uint8).reshape(-1), meta]).view(torch.float8_e4m3fn).view(m, -1), scale
+
+
+def test_the_cpu_stand_in_of_compressed_to_e4m3_is_the_kernel():
+    """A compressed bf16 A24 of random 2:4 rows (and its metadata) as the kernel converts it, byte
+    for byte, scales included."""
+    from srelu24_kernels.cusparselt.layout import compress
+
+    g = torch.Generator().manual_seed(8)
+    m, k = 64, 128
+    a = torch.randn(m, k, generator=g).bfloat16() * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g).float()).bfloat16()
+    keep = torch.zeros(m, k // 4, 4, dtype=torch.bool)
+    pick = torch.rand(m, k // 4, 4, generator=g).argsort(-1)[..., :2]
+    keep.scatter_(-1, pick, True)
+    buf = compress(a, keep.view(m, k)).to(DEV)
+    got, want = compressed_to_e4m3_reference(buf.cpu(), m, k), fp8_sparse.compressed_to_e4m3(buf, m, k)
+    assert torch.equal(got[1], want[1].cpu())
+    assert torch.equal(got[0].view(torch.uint8), want[0].cpu().view(torch.uint8))
 
 
 def _module(w1, w2, paired: bool):
