@@ -16,16 +16,19 @@ What one GPU holds, for T = micro_batch_size x seq_len tokens, P parameters (P_b
   the partitioner saves what the float8 backward reads (tests/test_memory.py traces a block on the
   CPU): neither normalised copy (their casts are remade from the residual stream) but the FFN
   input's e4m3 cast (a byte per d), and one hidden vector fewer (srelu Z without A, swiglu gate and
-  up without their product: recomputed). srelu24's 2:4 op keeps X's e4m3 cast too under tensorwise
-  (X itself where it does not make that cast). Float8 linears cast their fp32 weights to e4m3
-  directly: no autocast bf16 copies of them.
+  up without their product: recomputed). srelu24's 2:4 op keeps X's e4m3 cast too where it makes
+  one (tensorwise, its e4m3 GEMMs, tokens and F multiples of 64; else X itself), and its block the
+  attention output's e4m3 cast, which the dense blocks remake. Float8 linears
+  cast their fp32 weights to e4m3 directly: no autocast bf16 copies of them (a linear float8 does
+  not convert, a dimension not a multiple of 16, keeps its copy).
   A checkpointed block (trainer.activation_checkpointing) keeps only its input and recomputes
   the rest in its backward.
 - the largest transient, at the start of the backward, the larger of
     the loss head's backward: bf16 logits and their gradient (2 x 2 T V bytes), and the LM head's
     fp32 weight gradient;
     a block's backward: its weight gradients (in bf16, in fp32, the autocast copies of its
-    weights: 8 bytes per parameter beside its fp32 .grad), 16 bytes per token and model dimension
+    weights: 8 bytes per parameter beside its fp32 .grad; counted under float8 too, where the
+    copies are e4m3 casts), 16 bytes per token and model dimension
     (the incoming gradient in fp32, dq/dk/dv, FlashAttention's fp32 dq accumulator), and, for a
     checkpointed block, its recomputed activations.
 Gradients are allocated during the backward as the activations are freed, so without gradient
@@ -43,7 +46,8 @@ The two per-token constants of the transients (16 bytes per d, 8 per parameter) 
 per d of the block's kept activations are calibrated against torch.cuda.max_memory_allocated of
 compiled bf16 steps on an H200 (scripts/bench_step.py and the trainer): 1B with 16 and 20 layers,
 7B with 8 layers, srelu, srelu24 and swiglu, within 5%; tests/test_memory.py holds those
-measurements. An eager step (trainer.compile=false) keeps more; the fp32 precision's activations are
+measurements, and four compiled float8 trainers' peak reserved bytes on an H100 (1B with CUDA
+graphs, 7B shapes without; srelu and srelu24), which the float8 rows meet within 3%. An eager step (trainer.compile=false) keeps more; the fp32 precision's activations are
 counted at twice the bytes. The srelu24 figure assumes the CUDA sparsify kernels (`make kernels`);
 the Triton path keeps Z (2 bytes per hidden unit) instead of A24.
 """
@@ -100,17 +104,39 @@ def _counts(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int) -> tuple[int, int, i
     return _COUNTS[key]
 
 
+def _unconverted_block_weights(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, sparse_2to4: bool) -> int:
+    """Weights of one block's linears that trainer.float8 leaves in bf16 (training/float8.py,
+    converts), less srelu24's W1 and W2 in its 2:4 phase (its op takes them)."""
+    from .float8 import converts
+
+    key = ("unconverted", repr(mcfg), repr(fcfg), vocab, sparse_2to4)
+    if key not in _COUNTS:
+        block = _meta_model(replace(mcfg, n_layers=1), fcfg, vocab).layers[0]
+        op = {id(block.feed_forward.w1.weight), id(block.feed_forward.w2.weight)} if sparse_2to4 else set()
+        _COUNTS[key] = sum(m.weight.numel() for name, m in block.named_modules()
+                           if isinstance(m, torch.nn.Linear) and not converts(m, name) and id(m.weight) not in op)
+    return _COUNTS[key]
+
+
 def _meta_model(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int) -> Transformer:
     with torch.device("meta"):
         return Transformer(mcfg, fcfg, vocab)
 
 
+def op_keeps_x_in_e4m3(fcfg: FFNConfig, float8: Float8, tokens: int, hidden: int) -> bool:
+    """Whether srelu24's 2:4 op keeps X's e4m3 cast for dW1 rather than X (srelu24_kernels/srelu24/op.py,
+    _pairs_token_casts; an sm90 GPU assumed, as for A24)."""
+    return (float8 == Float8.tensorwise and fcfg.sparse_float8 and fcfg.kernels
+            and tokens % 64 == 0 and hidden % 64 == 0)
+
+
 def block_activation_bytes(mcfg: ModelConfig, fcfg: FFNConfig, sparse_2to4: bool, residual_bytes: int,
                            act_bytes: int, float8: Float8 = Float8.none, compiled: bool = False,
-                           statistics: bool = True) -> float:
-    """Bytes per token that one block keeps for its backward (the module docstring). statistics: a
-    step that collects the FFN statistics, which keeps more under compiled float8 (a dense FFN's
-    statistics split its block); the peak of an eager run is such a step."""
+                           statistics: bool = True, tokens: int = 0) -> float:
+    """Bytes per token that one block keeps for its backward (the module docstring) with `tokens` a
+    micro-batch. statistics: a step that collects the FFN statistics, which keeps more under
+    compiled float8 (a dense FFN's statistics split its block); the peak of a run without CUDA
+    graphs is such a step."""
     d = mcfg.dim
     d_kv = (mcfg.n_kv_heads or mcfg.n_heads) * (d // mcfg.n_heads)
     h = ffn_hidden_dim(mcfg, fcfg)
@@ -126,10 +152,13 @@ def block_activation_bytes(mcfg: ModelConfig, fcfg: FFNConfig, sparse_2to4: bool
     if not float8_compiled:
         normalised = 2 * act_bytes * d
     else:  # the FFN input's e4m3 cast (srelu24's op: X where it makes no cast)
-        normalised = (act_bytes if sparse and not (float8 == Float8.tensorwise and fcfg.sparse_float8) else 1) * d
-        if statistics and not sparse:
-            # the split's two sides each keep a cast: the FFN's output-side activation, the attention output
-            ffn, normalised = ffn + h, normalised + d
+        normalised = (act_bytes if sparse and not op_keeps_x_in_e4m3(fcfg, float8, tokens, h) else 1) * d
+        if sparse or statistics:
+            # the attention output's e4m3 cast is kept, not remade, where the FFN is opaque to the
+            # partitioner (srelu24's op) or split off (a dense FFN's statistics)
+            normalised += d
+        if statistics and not sparse:  # and on the split's far side, A's (swiglu: the product's) cast
+            ffn += h
     # residual stream in and after attention; their normalised copies; q, o and k, v
     return 2 * residual_bytes * d + normalised + act_bytes * (2 * d + 2 * d_kv) + ffn
 
@@ -155,7 +184,7 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     n_ckpt = {ActivationCheckpointing.none: 0, ActivationCheckpointing.selective: math.ceil(L / 2),
               ActivationCheckpointing.full: L}[t.activation_checkpointing]
     def per_block(statistics: bool = True) -> float:
-        return block_activation_bytes(mcfg, fcfg, sparse_2to4, residual, act, t.float8, t.compile, statistics) * T
+        return block_activation_bytes(mcfg, fcfg, sparse_2to4, residual, act, t.float8, t.compile, statistics, T) * T
 
     e = MemoryEstimate()
     e.parts["parameters (fp32)"] = 4 * P // shard
@@ -165,6 +194,10 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
         e.parts["DDP gradient buckets"] = 4 * P
     if fsdp:
         e.parts["FSDP all-gathered bf16 weights"] = (2 if bf16 else 4) * (P_root + 2 * P_block)
+    # a checkpointed block's recomputation: eager in a step with statistics (training/distributed.py,
+    # checkpointed), where a float8 block keeps the uncompiled rows, which are the larger
+    recomputed = block_activation_bytes(mcfg, fcfg, sparse_2to4, residual, act, tokens=T) * T
+
     def activations(statistics: bool = True) -> int:
         return int((L - n_ckpt) * per_block(statistics) + n_ckpt * residual * d * T)
 
@@ -174,16 +207,20 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     out_grad = 0 if kept_grads else 4 * vocab * d // shard  # else: already in the gradients
     head = 2 * act * T * vocab + out_grad
     block = (out_grad + (0 if kept_grads else 4 * P_block // shard) + BLOCK_GRAD_TRANSIENT_BYTES * P_block
-             + RESIDUAL_BACKWARD_BYTES_PER_D * (act // 2) * d * T + (per_block() if n_ckpt else 0))
+             + RESIDUAL_BACKWARD_BYTES_PER_D * (act // 2) * d * T + (recomputed if n_ckpt else 0))
     e.transient = "loss head backward" if head >= block else "block backward"
     e.parts[f"largest transient ({e.transient})"] = int(max(head, block))
-    if grad_accumulation and bf16 and not fsdp and t.float8 == Float8.none:
+    if grad_accumulation and bf16 and not fsdp:
         # autocast's bf16 copy of every block's linear weights lives from the forward into the
         # backward; srelu24's op takes W1, W2 itself in its 2:4 phase. Measured at full depth under
         # accumulation (7B, 32 layers, one H200: 8-12 GiB above the estimate without it); the
-        # no-accumulation benchmark points were calibrated without it (their constants absorb it)
+        # no-accumulation benchmark points were calibrated without it (their constants absorb it).
+        # Under float8 only the linears it leaves in bf16 have one: the others cast fp32 to e4m3
         ffn_weights = 2 * d * ffn_hidden_dim(mcfg, fcfg) if sparse_2to4 else 0
-        e.parts[WEIGHT_COPIES] = 2 * L * (P_block - 2 * d - ffn_weights)
+        copied = (P_block - 2 * d - ffn_weights if t.float8 == Float8.none
+                  else _unconverted_block_weights(mcfg, fcfg, vocab, sparse_2to4))
+        if copied:
+            e.parts[WEIGHT_COPIES] = 2 * L * copied
     e4m3_op = sparse_2to4 and not fsdp and t.float8 != Float8.none and fcfg.sparse_float8
     if e4m3_op and keeps_conversions(grad_accumulation, t.float8):
         # W1's rows and columns, W2's rows and columns: 4 per layer of d x F bytes (e4m3)
