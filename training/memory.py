@@ -18,9 +18,9 @@ What one GPU holds, for T = micro_batch_size x seq_len tokens, P parameters (P_b
   input's e4m3 cast (a byte per d), and one hidden vector fewer (srelu Z without A, swiglu gate and
   up without their product: recomputed). srelu24's 2:4 op keeps X's e4m3 cast too where it makes
   one (tensorwise, its e4m3 GEMMs, tokens and F multiples of 64; else X itself), and its block the
-  attention output's e4m3 cast, which the dense blocks remake. Float8 linears
-  cast their fp32 weights to e4m3 directly: no autocast bf16 copies of them (a linear float8 does
-  not convert, a dimension not a multiple of 16, keeps its copy).
+  attention output's e4m3 cast, which the dense blocks remake. Float8 linears cast their fp32
+  weights to e4m3 directly: no autocast bf16 copies of them (a linear float8 does not convert, a
+  dimension not a multiple of 16, keeps its copy).
   A checkpointed block (trainer.activation_checkpointing) keeps only its input and recomputes
   the rest in its backward.
 - the largest transient, at the start of the backward, the larger of
@@ -47,8 +47,8 @@ per d of the block's kept activations are calibrated against torch.cuda.max_memo
 compiled bf16 steps on an H200 (scripts/bench_step.py and the trainer): 1B with 16 and 20 layers,
 7B with 8 layers, srelu, srelu24 and swiglu, within 5%; tests/test_memory.py holds those
 measurements, and four compiled float8 trainers' peak reserved bytes on an H100 (1B with CUDA
-graphs, 7B shapes without; srelu and srelu24), which the float8 rows meet within 3%. An eager step (trainer.compile=false) keeps more; the fp32 precision's activations are
-counted at twice the bytes. The srelu24 figure assumes the CUDA sparsify kernels (`make kernels`);
+graphs, 7B shapes without; srelu and srelu24), which the float8 rows meet within 3%. An eager step
+(trainer.compile=false) keeps more; the fp32 precision's activations are counted at twice the bytes. The srelu24 figure assumes the CUDA sparsify kernels (`make kernels`);
 the Triton path keeps Z (2 bytes per hidden unit) instead of A24.
 """
 import math
@@ -183,6 +183,7 @@ def estimate(mcfg: ModelConfig, fcfg: FFNConfig, vocab: int, t: TrainerConfig, w
     L, d, T = mcfg.n_layers, mcfg.dim, t.micro_batch_size * t.seq_len
     n_ckpt = {ActivationCheckpointing.none: 0, ActivationCheckpointing.selective: math.ceil(L / 2),
               ActivationCheckpointing.full: L}[t.activation_checkpointing]
+
     def per_block(statistics: bool = True) -> float:
         return block_activation_bytes(mcfg, fcfg, sparse_2to4, residual, act, t.float8, t.compile, statistics, T) * T
 
