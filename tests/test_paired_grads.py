@@ -93,17 +93,14 @@ def compressed_to_e4m3_reference(buf: torch.Tensor, m: int, k: int) -> tuple[tor
 
 
 def test_the_cpu_stand_in_of_compressed_to_e4m3_is_the_kernel():
-    """A compressed bf16 A24 of random 2:4 rows (and its metadata) as the kernel converts it, byte
-    for byte, scales included."""
+    """A compressed bf16 2:4 matrix (test_fp8_sparse's: rows of very different magnitudes, an
+    all-zero row, subnormals) as the kernel converts it, byte for byte, scales included."""
     from srelu24_kernels.cusparselt.layout import compress
+    from test_fp8_sparse import sparse_bf16
 
-    g = torch.Generator().manual_seed(8)
     m, k = 64, 128
-    a = torch.randn(m, k, generator=g).bfloat16() * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g).float()).bfloat16()
-    keep = torch.zeros(m, k // 4, 4, dtype=torch.bool)
-    pick = torch.rand(m, k // 4, 4, generator=g).argsort(-1)[..., :2]
-    keep.scatter_(-1, pick, True)
-    buf = compress(a, keep.view(m, k)).to(DEV)
+    a, keep = sparse_bf16(m, k, 8)
+    buf = compress(a, keep).to(DEV)
     got, want = compressed_to_e4m3_reference(buf.cpu(), m, k), fp8_sparse.compressed_to_e4m3(buf, m, k)
     assert torch.equal(got[1], want[1].cpu())
     assert torch.equal(got[0].view(torch.uint8), want[0].cpu().view(torch.uint8))
